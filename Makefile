@@ -1,0 +1,35 @@
+# The short commands the README promises. VENV can point elsewhere.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SLUICE := $(VENV)/bin/sluice
+
+.PHONY: setup test test-fast lint demo infra-up infra-down bench-quick
+
+setup:
+	bash infra/system-deps.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check uv
+	$(PY) -m uv pip install -q --python $(PY) -e '.[test,bench]'
+	$(PY) -c "from infra.common import InfraConfig; from infra.kafka_broker import ensure_jars; ensure_jars(InfraConfig.from_env())"
+
+# The whole test suite: lint, unit, model parity and integration tests against
+# the real Kafka broker and PostgreSQL (started by the tests themselves).
+test:
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+test-fast:
+	$(PY) -m pytest -q -m 'not integration and not slow'
+
+lint:
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check . || true
+
+demo:
+	$(SLUICE) demo
+
+infra-up:
+	$(SLUICE) infra up
+
+infra-down:
+	$(SLUICE) infra down

@@ -1,0 +1,139 @@
+"""Shared pieces of the local infrastructure: where state lives, ports, processes.
+
+Everything `sluice infra` starts is recorded under one state directory
+(default `~/.cache/sluice/infra`, or `SLUICE_STATE_DIR`), so `down` can stop
+exactly the processes `up` started, by their PID, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class InfraError(RuntimeError):
+    """A local-infrastructure failure with a message a person can act on."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sluice"
+
+
+@dataclass(frozen=True, slots=True)
+class InfraConfig:
+    """Where the local broker and database live and which loopback ports they use."""
+
+    state_dir: Path
+    kafka_port: int = 39092
+    kafka_controller_port: int = 39093
+    postgres_port: int = 39432
+    jar_cache_dir: Path | None = None
+    kafka_heap: str = "-Xms512m -Xmx1g"
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> InfraConfig:
+        env = os.environ
+        values: dict[str, object] = {
+            "state_dir": Path(env.get("SLUICE_STATE_DIR") or default_cache_dir() / "infra"),
+            "kafka_port": int(env.get("SLUICE_INFRA_KAFKA_PORT", 39092)),
+            "kafka_controller_port": int(env.get("SLUICE_INFRA_KAFKA_CONTROLLER_PORT", 39093)),
+            "postgres_port": int(env.get("SLUICE_INFRA_POSTGRES_PORT", 39432)),
+        }
+        if env.get("SLUICE_JAR_CACHE"):
+            values["jar_cache_dir"] = Path(env["SLUICE_JAR_CACHE"])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        values["state_dir"] = Path(values["state_dir"]).expanduser().resolve()  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def jars_root(self) -> Path:
+        return self.jar_cache_dir or default_cache_dir() / "kafka-jars"
+
+
+def require_tool(name: str, install_hint: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise InfraError(f"`{name}` was not found on PATH. {install_hint}")
+    return path
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def port_answers(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); treat it as gone.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pid_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def stop_pid(pid: int, sig: signal.Signals, timeout: float) -> bool:
+    """Signal `pid` and wait until it exits; SIGKILL after `timeout`. True if it exited."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    return not pid_alive(pid)
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text[-lines:])

@@ -1,0 +1,237 @@
+"""A local PostgreSQL server from the machine's PostgreSQL binaries (Debian's package).
+
+PostgreSQL refuses to run as root. When we are root, the cluster is owned by
+and runs as the `postgres` system user (created by Debian's package), in a data
+directory outside root's home (which that user cannot enter); otherwise it
+runs as the current user under the state directory. It listens on 127.0.0.1
+only, with password (SCRAM) authentication and a generated password.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from infra.common import (
+    InfraConfig,
+    InfraError,
+    pid_alive,
+    port_answers,
+    port_in_use,
+    stop_pid,
+    tail,
+)
+
+DB_USER = "sluice"
+DB_NAME = "sluice"
+INSTALL_HINT = "Install PostgreSQL's server (Debian: `apt-get install -y postgresql`)."
+
+
+def bin_dir() -> Path:
+    """The newest PostgreSQL server binaries on this machine."""
+    candidates = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/postgres"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
+    if candidates:
+        return candidates[-1].parent
+    found = shutil.which("postgres") or shutil.which("pg_ctl")
+    if found:
+        return Path(found).parent
+    raise InfraError(f"no PostgreSQL server binaries were found. {INSTALL_HINT}")
+
+
+def server_version() -> str:
+    out = subprocess.run(
+        [str(bin_dir() / "postgres"), "--version"], capture_output=True, text=True, check=False
+    )
+    # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)" -> "15.18"
+    words = out.stdout.split()
+    if out.returncode != 0 or "(PostgreSQL)" not in words:
+        return "unknown"
+    return words[words.index("(PostgreSQL)") + 1]
+
+
+def _run_as() -> pwd.struct_passwd | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError as exc:
+        raise InfraError(
+            "running as root, but there is no `postgres` system user to run PostgreSQL as "
+            f"(PostgreSQL refuses to run as root). {INSTALL_HINT}"
+        ) from exc
+
+
+def _cluster_dir(cfg: InfraConfig) -> Path:
+    if os.geteuid() != 0:
+        return cfg.state_dir / "postgres"
+    # The postgres user cannot enter /root; keep one cluster per state directory.
+    digest = hashlib.sha256(str(cfg.state_dir).encode()).hexdigest()[:12]
+    return Path("/var/tmp") / f"sluice-postgres-{digest}"
+
+
+def _paths(cfg: InfraConfig) -> dict[str, Path]:
+    root = _cluster_dir(cfg)
+    return {
+        "root": root,
+        "data": root / "data",
+        "log": root / "postgres.log",
+        "password": cfg.state_dir / "postgres.password",
+        "link": cfg.state_dir / "postgres-cluster",
+    }
+
+
+def _as_owner(user: pwd.struct_passwd | None) -> dict[str, object]:
+    if user is None:
+        return {}
+    return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+
+
+def _password(cfg: InfraConfig) -> str:
+    path = _paths(cfg)["password"]
+    if path.exists():
+        return path.read_text().strip()
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(18)
+    path.write_text(password + "\n")
+    path.chmod(0o600)
+    return password
+
+
+def url(cfg: InfraConfig) -> str:
+    password = quote(_password(cfg), safe="")
+    return f"postgresql://{DB_USER}:{password}@127.0.0.1:{cfg.postgres_port}/{DB_NAME}"
+
+
+def _initdb(cfg: InfraConfig, paths: dict[str, Path], user: pwd.struct_passwd | None) -> None:
+    if (paths["data"] / "PG_VERSION").exists():
+        return
+    paths["root"].mkdir(parents=True, exist_ok=True, mode=0o700)
+    if user is not None:
+        os.chown(paths["root"], user.pw_uid, user.pw_gid)
+    pwfile = paths["root"] / "initdb.pw"
+    pwfile.write_text(_password(cfg) + "\n")
+    if user is not None:
+        os.chown(pwfile, user.pw_uid, user.pw_gid)
+    cmd = [
+        str(bin_dir() / "initdb"), "-D", str(paths["data"]), "-U", DB_USER,
+        "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C.UTF-8",
+    ]
+    try:
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, check=False, **_as_owner(user)
+        )
+    finally:
+        pwfile.unlink(missing_ok=True)
+    if result.returncode != 0:
+        shutil.rmtree(paths["data"], ignore_errors=True)
+        raise InfraError(f"initdb failed:\n{result.stdout}{result.stderr}")
+
+
+def running_pid(cfg: InfraConfig) -> int | None:
+    pid_file = _paths(cfg)["data"] / "postmaster.pid"
+    try:
+        lines = pid_file.read_text().splitlines()
+        pid, port = int(lines[0]), int(lines[3])
+    except (OSError, ValueError, IndexError):
+        return None
+    if port != cfg.postgres_port or not pid_alive(pid):
+        return None
+    return pid
+
+
+def _ready(cfg: InfraConfig) -> bool:
+    result = subprocess.run(
+        [str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p", str(cfg.postgres_port), "-q"],
+        check=False,
+    )
+    return result.returncode == 0
+
+
+def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
+    paths = _paths(cfg)
+    if running_pid(cfg) is not None and _ready(cfg):
+        return status(cfg)
+    if port_in_use(cfg.postgres_port):
+        raise InfraError(
+            f"port {cfg.postgres_port} on 127.0.0.1 is taken by another process, so the local "
+            "PostgreSQL cannot listen there. Stop that process or pick another port with "
+            "--postgres-port (or SLUICE_INFRA_POSTGRES_PORT)."
+        )
+    user = _run_as()
+    _initdb(cfg, paths, user)
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    if not paths["link"].exists():
+        paths["link"].symlink_to(paths["root"])
+    cmd = [
+        str(bin_dir() / "postgres"), "-D", str(paths["data"]), "-p", str(cfg.postgres_port),
+        "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={paths['root']}",
+        "-c", "max_connections=200", "-c", "fsync=on",
+    ]
+    with open(paths["log"], "ab") as log:
+        if user is not None:
+            os.chown(paths["log"], user.pw_uid, user.pw_gid)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, **_as_owner(user),
+        )
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        if port_answers(cfg.postgres_port) and _ready(cfg):
+            _ensure_database(cfg)
+            return status(cfg)
+        time.sleep(0.2)
+    exited = proc.poll() is not None
+    if not exited:
+        stop_pid(proc.pid, signal.SIGINT, 10)
+    why = "exited" if exited else f"was not ready within {wait_s:.0f} s"
+    raise InfraError(f"PostgreSQL {why}. Last lines of {paths['log']}:\n{tail(paths['log'])}")
+
+
+def _ensure_database(cfg: InfraConfig) -> None:
+    env = {**os.environ, "PGPASSWORD": _password(cfg)}
+    base = [str(bin_dir() / "psql"), "-h", "127.0.0.1", "-p", str(cfg.postgres_port), "-U",
+            DB_USER, "-d", "postgres", "-tAc"]
+    exists = subprocess.run(
+        [*base, f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}'"],
+        capture_output=True, text=True, env=env, check=False,
+    )
+    if exists.stdout.strip() == "1":
+        return
+    made = subprocess.run(
+        [*base, f"CREATE DATABASE {DB_NAME}"], capture_output=True, text=True, env=env, check=False
+    )
+    if made.returncode != 0:
+        raise InfraError(f"could not create database {DB_NAME}: {made.stderr.strip()}")
+
+
+def down(cfg: InfraConfig) -> bool:
+    pid = running_pid(cfg)
+    if pid is None:
+        return False
+    # SIGINT is PostgreSQL's "fast" shutdown: roll back clients, checkpoint, exit.
+    return stop_pid(pid, signal.SIGINT, 30)
+
+
+def status(cfg: InfraConfig) -> dict[str, object]:
+    pid = running_pid(cfg)
+    return {
+        "up": pid is not None and _ready(cfg),
+        "url": url(cfg),
+        "port": cfg.postgres_port,
+        "version": server_version(),
+        "pid": pid,
+        "log": str(_paths(cfg)["log"]),
+    }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Makes sure the machine has what sluice's local infrastructure runs on:
+# Java 17+ (the Kafka broker), Maven (fetches the Kafka jars), PostgreSQL's
+# server, and Python's venv module. Installs missing ones with apt-get when
+# run as root on Debian/Ubuntu; otherwise says what to install.
+set -euo pipefail
+
+missing=()
+command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || missing+=(maven)
+compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || command -v postgres >/dev/null 2>&1 \
+  || missing+=(postgresql)
+python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing system packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  # Debian's package starts its own cluster; sluice runs its own, so stop that one.
+  if [ -x /usr/sbin/service ] && printf '%s\n' "${missing[@]}" | grep -qx postgresql; then
+    service postgresql stop >/dev/null 2>&1 || true
+  fi
+else
+  echo "missing system packages: ${missing[*]} (install them, e.g. apt-get install ${missing[*]})" >&2
+  exit 1
+fi

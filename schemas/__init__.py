@@ -1,0 +1,49 @@
+"""Wire formats: the only place message shapes live (CONTRACT.md, "Messages").
+
+`decode(Model, data)` validates any bytes or raises `SchemaError`;
+`encode(message)` gives canonical orjson bytes.
+"""
+
+from schemas.codec import MAX_MESSAGE_BYTES, FieldProblem, SchemaError, decode, encode, validate
+from schemas.control import AdapterSpec, ComputeConfig, ModelDeployment, Placement
+from schemas.events import (
+    REPLY_EVENT_ADAPTER,
+    TERMINAL_TYPES,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    ReplyEvent,
+    TimeoutEvent,
+    Timing,
+    TokenEvent,
+    Usage,
+)
+from schemas.records import DeadLetterRecord, TimeoutRecord
+from schemas.requests import ChatMessage, InferenceRequest
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "REPLY_EVENT_ADAPTER",
+    "TERMINAL_TYPES",
+    "AdapterSpec",
+    "ChatMessage",
+    "ComputeConfig",
+    "DeadLetterRecord",
+    "DoneEvent",
+    "ErrorCode",
+    "ErrorEvent",
+    "FieldProblem",
+    "InferenceRequest",
+    "ModelDeployment",
+    "Placement",
+    "ReplyEvent",
+    "SchemaError",
+    "TimeoutEvent",
+    "TimeoutRecord",
+    "Timing",
+    "TokenEvent",
+    "Usage",
+    "decode",
+    "encode",
+    "validate",
+]

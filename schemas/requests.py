@@ -1,0 +1,71 @@
+"""`InferenceRequest`: what producers put on `sluice.requests.<model>`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from schemas.names import AdapterName, MessageId, ModelName, TopicName
+
+MAX_PROMPT_TOKEN_IDS = 1_048_576
+MAX_TOKENS_LIMIT = 1_048_576
+MAX_STOP_STRINGS = 16
+MAX_TTFT_MS_LIMIT = 24 * 3600 * 1000
+INT64_MAX = 2**63 - 1
+
+Role = Literal["system", "user", "assistant", "tool"]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Role
+    content: str
+
+
+class InferenceRequest(BaseModel):
+    """One inference request. Exactly one of `messages`, `prompt`, `prompt_token_ids`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = 1
+    request_id: MessageId
+    session_id: MessageId | None = None
+    model: ModelName
+    adapter: AdapterName | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str | None = Field(default=None, min_length=1)
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_PROMPT_TOKEN_IDS
+    )
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    max_ttft_ms: int | None = Field(default=None, ge=1, le=MAX_TTFT_MS_LIMIT)
+    reply_topic: TopicName | None = None
+    stream: bool = True
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> InferenceRequest:
+        given = [
+            name
+            for name in ("messages", "prompt", "prompt_token_ids")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise ValueError(
+                "exactly one of messages, prompt or prompt_token_ids is required "
+                f"(found: {found})"
+            )
+        return self
+
+    @property
+    def partition_key(self) -> str:
+        return self.session_id or self.request_id

@@ -1,0 +1,25 @@
+"""The `sluice` command line.
+
+Each command group lives in its own module and registers itself on `app`
+through `register(app)`; this module only wires them together.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from sluice.cli import infra_cmd, schemas_cmd
+
+app = typer.Typer(
+    name="sluice",
+    help="sluice — a Kafka-native LLM inference engine.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+for module in (infra_cmd, schemas_cmd):
+    module.register(app)
+
+
+def main() -> None:
+    app()

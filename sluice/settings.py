@@ -1,0 +1,71 @@
+"""The one validated settings object, built at start-up (never at import time).
+
+Environment variables (CONTRACT.md, "Settings") with CLI flags layered on top:
+`Settings.load(kafka_bootstrap=...)`. When the Kafka or database address is
+not set, the local infrastructure's addresses (`sluice infra up`) are used.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.names import POOL_PATTERN
+
+
+class ServerSettings(BaseModel):
+    timeout_seconds: float = Field(default=60.0, gt=0)
+
+
+class ClientSettings(BaseModel):
+    timeout_secs: float = Field(default=60.0, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SLUICE_", env_nested_delimiter="__", extra="ignore", frozen=True
+    )
+
+    kafka_bootstrap: str | None = None
+    database_url: str | None = None
+    topic_prefix: str = Field(default="sluice", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    pool: str = Field(default="default", pattern=POOL_PATTERN)
+    reply_topic_pattern: str | None = None
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    client: ClientSettings = Field(default_factory=ClientSettings)
+
+    @field_validator("reply_topic_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from exc
+        return value
+
+    @classmethod
+    def load(cls, **overrides: object) -> Settings:
+        """Environment + explicit overrides (None means "not given")."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        settings = cls(**given)
+        if settings.kafka_bootstrap is None or settings.database_url is None:
+            from infra.common import InfraConfig
+            from infra.local import endpoints
+
+            bootstrap, url = endpoints(InfraConfig.from_env())
+            settings = settings.model_copy(
+                update={
+                    "kafka_bootstrap": settings.kafka_bootstrap or bootstrap,
+                    "database_url": settings.database_url or url,
+                }
+            )
+        return settings
+
+    def topic(self, suffix: str) -> str:
+        return f"{self.topic_prefix}.{suffix}"
+
+    def requests_topic(self, model: str) -> str:
+        return self.topic(f"requests.{model}")
