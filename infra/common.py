@@ -107,7 +107,8 @@ def read_pid(pid_file: Path) -> int | None:
 
 def pid_cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return raw.replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
 
