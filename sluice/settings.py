@@ -30,6 +30,10 @@ class Settings(BaseSettings):
 
     kafka_bootstrap: str | None = None
     database_url: str | None = None
+    # The PostgreSQL schema holding sluice's tables (tests use one per test).
+    db_schema: str = Field(default="sluice", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    # Partitions of a model's request topic when it is registered.
+    request_partitions: int = Field(default=8, ge=1, le=4096)
     topic_prefix: str = Field(default="sluice", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     pool: str = Field(default="default", pattern=POOL_PATTERN)
     reply_topic_pattern: str | None = None

@@ -1,0 +1,92 @@
+"""Topics are created by sluice itself, never by broker auto-creation.
+
+Shared topics at first start (`sluice.control` compacted), a model's request
+topic when the model is registered (with `LogAppendTime`, so a request's TTFT
+clock starts when the broker took it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from sluice.settings import Settings
+from sluice.timeouts import dependency_call
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    configs: dict[str, str]
+
+
+def shared_topics(settings: Settings) -> list[TopicSpec]:
+    return [
+        TopicSpec(settings.topic("results"), 8, {}),
+        TopicSpec(settings.topic("timeouts"), 4, {}),
+        TopicSpec(settings.topic("deadletter"), 4, {}),
+        TopicSpec(settings.topic("control"), 1, {"cleanup.policy": "compact"}),
+    ]
+
+
+def request_topic(settings: Settings, model: str, partitions: int | None = None) -> TopicSpec:
+    return TopicSpec(
+        settings.requests_topic(model),
+        partitions or settings.request_partitions,
+        {"message.timestamp.type": "LogAppendTime"},
+    )
+
+
+def internal_topic_names(settings: Settings) -> set[str]:
+    return {spec.name for spec in shared_topics(settings)} - {settings.topic("results")}
+
+
+def is_internal_topic(settings: Settings, topic: str) -> bool:
+    """sluice's own request, control, timeout and dead-letter topics."""
+    return topic in internal_topic_names(settings) or topic.startswith(
+        settings.topic("requests.")
+    )
+
+
+class TopicAdmin:
+    """A thin, timeout-bounded wrapper of aiokafka's admin client."""
+
+    def __init__(self, settings: Settings):
+        self._settings = settings
+        self._admin = AIOKafkaAdminClient(
+            bootstrap_servers=settings.kafka_bootstrap,
+            request_timeout_ms=int(settings.client.timeout_secs * 1000),
+        )
+
+    async def __aenter__(self) -> TopicAdmin:
+        await dependency_call("connecting to the Kafka admin API", self._admin.start(),
+                              self._settings.client.timeout_secs)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._admin.close()
+
+    async def ensure(self, specs: list[TopicSpec]) -> list[str]:
+        """Create the topics that do not exist yet; returns the names created."""
+        existing = set(await self.list_topics())
+        missing = [s for s in specs if s.name not in existing]
+        created = []
+        for spec in missing:
+            topic = NewTopic(spec.name, spec.partitions, 1, topic_configs=spec.configs)
+            try:
+                await dependency_call(
+                    f"creating topic {spec.name}", self._admin.create_topics([topic]),
+                    self._settings.client.timeout_secs,
+                )
+                created.append(spec.name)
+            except TopicAlreadyExistsError:
+                pass
+        return created
+
+    async def list_topics(self) -> list[str]:
+        return await dependency_call(
+            "listing Kafka topics", self._admin.list_topics(), self._settings.client.timeout_secs
+        )

@@ -1,0 +1,225 @@
+"""Control plane, SDK control calls and the permission check, on the real broker and database."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import asyncpg
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+import sluice
+from ingest.permissions import PermissionChecker
+from schemas import ModelDeployment, decode
+from sluice.control_plane import ControlPlane
+from sluice.db import create_pool
+from sluice.errors import (
+    ConflictError,
+    DependencyTimeoutError,
+    InvalidConfigError,
+    LimitExceededError,
+    NotFoundError,
+)
+from sluice.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def settings(endpoints, unique_name) -> Settings:
+    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                    database_url=endpoints.database_url, db_schema=unique_name,
+                    topic_prefix=unique_name, request_partitions=3)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    return path
+
+
+def _adapter_dir(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+async def _drop_schema(settings: Settings) -> None:
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
+    await conn.close()
+
+
+async def test_register_update_and_publish(settings, model_dir) -> None:
+    cp = await ControlPlane.connect(settings)
+    try:
+        dep = await cp.register_model("tiny", str(model_dir))
+        assert dep.revision == 1 and dep.compute_config.max_adapters == 4
+        with pytest.raises(ConflictError):
+            await cp.register_model("tiny", str(model_dir))
+        dep = await cp.update_compute_config("tiny", {"kv_cache_len": 300000, "tp": 4})
+        assert (dep.compute_config.kv_cache_len, dep.compute_config.tp) == (300000, 4)
+        dep = await cp.update("tiny", {"compute_pools": ["pool-1", "pool-2"],
+                                       "max_ttft_ms": 5000})
+        assert dep.placement.compute_pools == ["pool-1", "pool-2"]
+        assert dep.compute_config.kv_cache_len == 300000  # earlier change kept
+        assert dep.revision == 3
+        with pytest.raises(InvalidConfigError, match="quantization"):
+            await cp.update_compute_config("tiny", {"quantization": "int2"})
+        with pytest.raises(InvalidConfigError, match="tp"):
+            await cp.update_compute_config("tiny", {"tp": 0})
+        with pytest.raises(NotFoundError, match="sluice models register"):
+            await cp.update("nope", {"max_ttft_ms": 1})
+        with pytest.raises(InvalidConfigError, match="invalid model name"):
+            await cp.register_model("bad name; drop", str(model_dir))
+        assert [d.model for d in await cp.list_models()] == ["tiny"]
+    finally:
+        await cp.close()
+
+    # The request topic exists, with LogAppendTime and the configured partitions.
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, settings.requests_topic("tiny"))]
+        )
+        configs = {c[0]: c[1] for c in described[0].resources[0][4]}
+        assert configs["message.timestamp.type"] == "LogAppendTime"
+        control = [ConfigResource(ConfigResourceType.TOPIC, settings.topic("control"))]
+        configs = {c[0]: c[1] for c in (await admin.describe_configs(control))[0].resources[0][4]}
+        assert configs["cleanup.policy"] == "compact"
+    finally:
+        await admin.close()
+
+    # Every change was published on the control topic; the newest is the truth.
+    consumer = AIOKafkaConsumer(settings.topic("control"), auto_offset_reset="earliest",
+                                bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        batch = await consumer.getmany(timeout_ms=5000)
+        records = [r for rs in batch.values() for r in rs]
+        while len(records) < 3:
+            more = await consumer.getmany(timeout_ms=5000)
+            assert more
+            records += [r for rs in more.values() for r in rs]
+    finally:
+        await consumer.stop()
+    deployments = [decode(ModelDeployment, r.value) for r in records]
+    assert [d.revision for d in deployments] == [1, 2, 3]
+    assert all(r.key == b"tiny" for r in records)
+    await _drop_schema(settings)
+
+
+async def test_adapter_limit_is_enforced_with_a_clear_message(settings, model_dir,
+                                                             tmp_path) -> None:
+    cp = await ControlPlane.connect(settings)
+    try:
+        await cp.register_model("tiny", str(model_dir))
+        for i in range(4):
+            await cp.register_adapter("tiny", f"a{i}", str(_adapter_dir(tmp_path, f"a{i}")))
+        with pytest.raises(LimitExceededError) as info:
+            await cp.register_adapter("tiny", "a4", str(_adapter_dir(tmp_path, "a4")))
+        assert "max_adapters=4" in str(info.value) and "update-compute-config" in str(info.value)
+        await cp.update_compute_config("tiny", {"max_adapters": 6})
+        dep = await cp.register_adapter("tiny", "a4", str(tmp_path / "a4"))
+        assert [a.name for a in dep.adapters] == ["a0", "a1", "a2", "a3", "a4"]
+        dep = await cp.remove_adapter("tiny", "a0")
+        assert [a.name for a in dep.adapters] == ["a1", "a2", "a3", "a4"]
+        with pytest.raises(InvalidConfigError, match=r"adapter_config\.json"):
+            await cp.register_adapter("tiny", "empty", str(tmp_path))
+    finally:
+        await cp.close()
+    await _drop_schema(settings)
+
+
+async def test_keys_grants_and_fast_revocation(settings, model_dir) -> None:
+    cp = await ControlPlane.connect(settings)
+    pool = await create_pool(settings)
+    checker = PermissionChecker(pool, settings.db_schema)
+    await checker.start()
+    try:
+        await cp.register_model("tiny", str(model_dir))
+        key = await cp.create_key("acme")
+        other = await cp.create_key("globex")
+        await cp.grant(key, "tiny", "support-bot")
+        bearer = f"Bearer {key}".encode()
+        # Stored only as a salted hash: the secret appears nowhere in the table.
+        conn = await asyncpg.connect(settings.database_url)
+        rows = await conn.fetch(f'SELECT * FROM "{settings.db_schema}".api_keys')
+        await conn.close()
+        assert key.split(".")[1].encode() not in orjson.dumps([dict(r) for r in rows],
+                                                               default=str)
+        assert (await checker.check(bearer, "tiny", "support-bot")).allowed
+        denied = await checker.check(bearer, "tiny", "other-bot")
+        assert not denied.allowed and "other-bot" in denied.reason
+        assert not (await checker.check(bearer, "tiny", None)).allowed  # base not granted
+        assert not (await checker.check(f"Bearer {other}", "tiny", "support-bot")).allowed
+        assert not (await checker.check(None, "tiny", None)).allowed
+        forged = key[:-4] + "AAAA"
+        assert not (await checker.check(f"Bearer {forged}", "tiny", "support-bot")).allowed
+
+        # Cached: a second check does not ask the database.
+        lookups = checker.num_lookups
+        assert (await checker.check(bearer, "tiny", "support-bot")).allowed
+        assert checker.num_lookups == lookups
+
+        for _ in range(50):  # wait for the listener to be attached
+            if checker._listening:
+                break
+            await asyncio.sleep(0.1)
+        await cp.revoke(key)
+        started = time.monotonic()
+        while (await checker.check(bearer, "tiny", "support-bot")).allowed:
+            assert time.monotonic() - started < 1.0, "revocation not seen within 1 s"
+            await asyncio.sleep(0.02)
+    finally:
+        await checker.close()
+        await pool.close()
+        await cp.close()
+    await _drop_schema(settings)
+
+
+def test_sdk_control_calls_are_synchronous(settings, model_dir, tmp_path) -> None:
+    with sluice.Client(settings) as client:
+        client.models.register(model="tiny", path=str(model_dir))
+        dep = client.models.update_compute_config(
+            model="tiny", compute_config={"kv_cache_len": 300000, "tp": 1})
+        assert dep.compute_config.kv_cache_len == 300000
+        dep = client.models.update(model="tiny", placement={"compute_pools": ["pool-1"],
+                                                            "max_ttft_ms": 60000})
+        assert dep.placement.compute_pools == ["pool-1"]
+        client.adapters.register(model="tiny", name="support-bot",
+                                 path=str(_adapter_dir(tmp_path, "sb")))
+        key = client.keys.create(tenant="acme")
+        client.keys.grant(key, model="tiny", adapter="support-bot")
+        assert key.startswith("sk-sluice-")
+        assert [a.name for a in client.adapters.list(model="tiny")] == ["support-bot"]
+    asyncio.run(_drop_schema(settings))
+
+
+async def test_dependency_timeout_names_the_setting(endpoints, unique_name) -> None:
+    import socket
+
+    # A listener that never answers: the connection opens but PostgreSQL's
+    # handshake never comes, so only the client timeout can end the call.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                            database_url=f"postgresql://u:p@127.0.0.1:{port}/x",
+                            db_schema=unique_name, client={"timeout_secs": 0.3})
+        started = time.monotonic()
+        with pytest.raises(DependencyTimeoutError) as info:
+            await create_pool(settings)
+    assert "SLUICE_CLIENT__TIMEOUT_SECS=0.3" in str(info.value)
+    assert time.monotonic() - started < 5
