@@ -1,0 +1,51 @@
+"""Helpers shared by CLI commands: settings from flags, and errors as one clear line."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def friendly_errors(func: F) -> F:
+    """Turn sluice's own errors into a one-line message and exit code 1 (no traceback)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from pydantic import ValidationError
+
+        from infra.common import InfraError
+        from sluice.errors import SluiceError
+
+        try:
+            return func(*args, **kwargs)
+        except (SluiceError, InfraError, ValidationError, FileNotFoundError) as exc:
+            raise fail(str(exc)) from None
+        except OSError as exc:
+            raise fail(f"could not reach a dependency: {exc}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def parse_assignments(pairs: list[str]) -> dict[str, Any]:
+    """`["kv_cache_len=300000", "quantization=fp8"]` -> {"kv_cache_len": 300000, ...}."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise fail(f"--set expects NAME=VALUE, got {pair!r}", 2)
+        value: Any = raw
+        if raw.lstrip("-").isdigit():
+            value = int(raw)
+        out[name.strip()] = value
+    return out
