@@ -1,0 +1,235 @@
+"""Reading `sluice.requests.<model>`: decode, validate, check permission, hand over.
+
+One consumer per worker replica, in group `<prefix>.<model>` with a static
+`group_instance_id`, so partitions — and with them sessions and their KV
+cache — stay with a replica across restarts. Each record ends one of three
+ways: handed to the engine, answered at once with an `error` event, or
+dead-lettered when it cannot even be answered (no request id, or a reply
+topic it may not use). Records are handled in partition order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from ingest.offsets import OffsetTracker
+from ingest.permissions import PermissionChecker, PermissionsUnavailable
+from ingest.prompting import PromptBuilder, PromptError
+from results.writer import ResultWriter
+from schemas import ErrorCode, InferenceRequest, SchemaError, decode
+from schemas.names import ID_PATTERN, is_valid_topic
+from sluice.settings import Settings
+from sluice.topics import is_internal_topic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A request that passed every check, ready for the engine."""
+
+    request: InferenceRequest
+    tp: TopicPartition
+    offset: int
+    attempt: int
+    reply_topic: str
+    arrival_time: float
+    max_ttft_ms: int
+    token_ids: list[int]
+    # The permission database stayed unreachable past the request's deadline.
+    expired: bool = False
+
+
+Submit = Callable[[Accepted], Awaitable[None]]
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, ingest: RequestIngest):
+        self._ingest = ingest
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self._ingest.on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        await self._ingest.on_assigned(assigned)
+
+
+class RequestIngest:
+    def __init__(self, settings: Settings, *, model: str, instance_id: str,
+                 tracker: OffsetTracker, writer: ResultWriter, checker: PermissionChecker,
+                 prompts: PromptBuilder, submit: Submit,
+                 on_revoked: Callable[[list[TopicPartition]], Awaitable[None]]):
+        self.settings = settings
+        self.model = model
+        self.tracker = tracker
+        self.writer = writer
+        self.checker = checker
+        self.prompts = prompts
+        self._submit = submit
+        self._revoked_hook = on_revoked
+        self.adapters: frozenset[str] = frozenset()
+        self.max_ttft_ms = 60_000
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.kafka_bootstrap, group_id=settings.topic(model),
+            group_instance_id=instance_id, enable_auto_commit=False,
+            auto_offset_reset="earliest", session_timeout_ms=10_000,
+            heartbeat_interval_ms=1_000, max_partition_fetch_bytes=8 * 1024 * 1024,
+            fetch_max_bytes=16 * 1024 * 1024,
+        )
+        self._known_topics: set[str] = set()
+        self._topics_checked = 0.0
+        self.num_records = 0
+
+    async def start(self) -> None:
+        await self.consumer.start()
+        self.consumer.subscribe([self.settings.requests_topic(self.model)],
+                                listener=_Rebalance(self))
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+
+    async def on_assigned(self, assigned: list[TopicPartition]) -> None:
+        for tp in assigned:
+            # aiokafka's public `committed()` drops the metadata we need; ask the
+            # coordinator directly for offset + metadata.
+            committed = await self.consumer._coordinator.fetch_committed_offsets([tp])
+            meta = committed.get(tp)
+            self.tracker.assign(tp, meta.metadata if meta is not None else None)
+        log.info("assigned %s", sorted(tp.partition for tp in assigned))
+
+    async def on_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self._revoked_hook(revoked)
+        for tp in revoked:
+            self.tracker.revoke(tp)
+
+    async def poll(self, max_records: int) -> int:
+        """Read and handle up to `max_records`; returns how many were read."""
+        batch = await self.consumer.getmany(timeout_ms=50, max_records=max_records)
+        records = [r for tp in sorted(batch, key=lambda t: t.partition) for r in batch[tp]]
+        attempts = [
+            self.tracker.start(TopicPartition(r.topic, r.partition), r.offset) for r in records
+        ]
+        # Note who started what before any work begins, so a crash past here is seen as one.
+        await self.commit()
+        for record, attempt in zip(records, attempts, strict=True):
+            await self._handle(record, attempt)
+        self.num_records += len(records)
+        return len(records)
+
+    async def commit(self) -> None:
+        pending = self.tracker.pending_commits()
+        if not pending:
+            return
+        assigned = self.consumer.assignment()
+        offsets = {tp: point for tp, point in pending.items() if tp in assigned}
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+            self.tracker.mark_committed(offsets)
+        except Exception as exc:  # a rebalance in progress; the next commit retries
+            log.warning("commit failed: %s", exc)
+
+    async def _handle(self, record: ConsumerRecord, attempt: int) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        value = record.value if record.value is not None else b""
+        try:
+            request = decode(InferenceRequest, value)
+        except SchemaError as exc:
+            await self._undecodable(record, tp, exc)
+            return
+        reply_topic = request.reply_topic or self.settings.topic("results")
+        problem = await self._reply_topic_problem(reply_topic)
+        if problem is not None:
+            await self.writer.dead_letter(tp=tp, offset=record.offset, topic=record.topic,
+                                          partition=record.partition, key=record.key,
+                                          value=value, reason=problem)
+            return
+
+        async def refuse(code: ErrorCode, message: str) -> None:
+            await self.writer.error_without_context(
+                tp=tp, offset=record.offset, reply_topic=reply_topic,
+                request_id=request.request_id, code=code, message=message)
+
+        if request.model != self.model:
+            await refuse(ErrorCode.UNKNOWN_MODEL,
+                         f"model {request.model!r} is not served on topic {record.topic}")
+            return
+        if request.adapter is not None and request.adapter not in self.adapters:
+            await refuse(ErrorCode.UNKNOWN_ADAPTER,
+                         f"model {self.model!r} has no adapter {request.adapter!r}")
+            return
+        arrival = record.timestamp / 1000.0
+        max_ttft_ms = min(request.max_ttft_ms or self.max_ttft_ms, self.max_ttft_ms)
+        allowed = await self._permission(record, request, arrival + max_ttft_ms / 1000)
+        if allowed is None:  # the database stayed away past the deadline
+            await self._submit(Accepted(request, tp, record.offset, attempt, reply_topic,
+                                        arrival, max_ttft_ms, [], expired=True))
+            return
+        if not allowed[0]:
+            await refuse(ErrorCode.UNAUTHORIZED, allowed[1])
+            return
+        try:
+            token_ids = self.prompts.token_ids(request)
+        except PromptError as exc:
+            await refuse(ErrorCode.INVALID_REQUEST, str(exc))
+            return
+        await self._submit(Accepted(request, tp, record.offset, attempt, reply_topic, arrival,
+                                    max_ttft_ms, token_ids))
+
+    async def _permission(self, record: ConsumerRecord, request: InferenceRequest,
+                          deadline: float) -> tuple[bool, str] | None:
+        auth = [v for k, v in record.headers if k.lower() == "authorization"]
+        if len(auth) > 1:
+            return False, "more than one authorization header"
+        while True:
+            try:
+                decision = await self.checker.check(auth[0] if auth else None, self.model,
+                                                    request.adapter)
+                return decision.allowed, decision.reason
+            except PermissionsUnavailable as exc:
+                if time.time() >= deadline:
+                    return None
+                log.warning("waiting for the permission database: %s", exc)
+                await asyncio.sleep(0.5)
+
+    async def _undecodable(self, record: ConsumerRecord, tp: TopicPartition,
+                           exc: SchemaError) -> None:
+        parsed = exc.parsed or {}
+        request_id = parsed.get("request_id")
+        reply = parsed.get("reply_topic") or self.settings.topic("results")
+        answerable = (
+            isinstance(request_id, str) and re.fullmatch(ID_PATTERN, request_id) is not None
+            and isinstance(reply, str) and await self._reply_topic_problem(reply) is None
+        )
+        if answerable:
+            await self.writer.error_without_context(
+                tp=tp, offset=record.offset, reply_topic=reply, request_id=request_id,
+                code=ErrorCode.INVALID_REQUEST, message=f"invalid request: {exc}")
+        else:
+            await self.writer.dead_letter(
+                tp=tp, offset=record.offset, topic=record.topic, partition=record.partition,
+                key=record.key, value=record.value or b"", reason=f"undecodable request: {exc}")
+
+    async def _reply_topic_problem(self, topic: str) -> str | None:
+        if not is_valid_topic(topic):
+            return f"reply_topic {topic[:100]!r} is not a valid topic name"
+        if is_internal_topic(self.settings, topic):
+            return f"reply_topic {topic!r} is one of sluice's internal topics"
+        pattern = self.settings.reply_topic_pattern
+        if pattern is not None and re.fullmatch(pattern, topic) is None:
+            return f"reply_topic {topic!r} does not match SLUICE_REPLY_TOPIC_PATTERN"
+        if topic not in self._known_topics and time.monotonic() - self._topics_checked > 1.0:
+            self._known_topics = set(await self.consumer.topics())
+            self._topics_checked = time.monotonic()
+        if topic not in self._known_topics:
+            return f"reply_topic {topic!r} does not exist"
+        return None

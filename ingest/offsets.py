@@ -1,0 +1,92 @@
+"""Which offsets may be committed: per partition, the lowest offset still unfinished.
+
+A record is *started* when it is read and *finished* when its terminal event
+(or its dead-letter record) is acknowledged by the broker. The commit point
+of a partition is its lowest started-but-unfinished offset, or one past the
+highest offset read when nothing is in flight. So after a crash every
+unfinished request is read again — at-least-once — and nothing finished
+before the commit point is served twice.
+
+The commit also carries metadata `h=<highest started offset>;a=<attempt>`:
+the next owner of the partition serves records up to `h` again as attempt
+`a + 1`, so the SDK can tell a retry from the first try.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from dataclasses import dataclass, field
+
+_META_RE = re.compile(r"^h=(-?\d+);a=(\d+)$")
+
+
+@dataclass(slots=True)
+class _Partition:
+    in_flight: set[int] = field(default_factory=set)
+    heap: list[int] = field(default_factory=list)  # may hold finished offsets (lazy)
+    next_offset: int | None = None  # one past the highest offset read
+    redelivered_upto: int = -1  # offsets <= this were started by an earlier owner
+    redelivered_attempt: int = 0
+    committed: tuple[int, str] | None = None
+
+
+@dataclass(slots=True)
+class OffsetTracker:
+    partitions: dict[object, _Partition] = field(default_factory=dict)
+
+    def assign(self, tp: object, committed_metadata: str | None) -> None:
+        """A partition was assigned; `committed_metadata` is what the last owner left."""
+        part = _Partition()
+        match = _META_RE.match(committed_metadata or "")
+        if match:
+            part.redelivered_upto = int(match.group(1))
+            part.redelivered_attempt = int(match.group(2)) + 1
+        self.partitions[tp] = part
+
+    def revoke(self, tp: object) -> None:
+        self.partitions.pop(tp, None)
+
+    def start(self, tp: object, offset: int) -> int:
+        """Record that `offset` was read; returns the attempt number to serve it with."""
+        part = self.partitions.setdefault(tp, _Partition())
+        part.in_flight.add(offset)
+        heapq.heappush(part.heap, offset)
+        if part.next_offset is None or offset >= part.next_offset:
+            part.next_offset = offset + 1
+        return part.redelivered_attempt if offset <= part.redelivered_upto else 0
+
+    def finish(self, tp: object, offset: int) -> None:
+        part = self.partitions.get(tp)
+        if part is not None:
+            part.in_flight.discard(offset)
+
+    def num_in_flight(self) -> int:
+        return sum(len(p.in_flight) for p in self.partitions.values())
+
+    def commit_point(self, tp: object) -> tuple[int, str] | None:
+        """(offset, metadata) to commit for `tp`, or None when nothing was read."""
+        part = self.partitions.get(tp)
+        if part is None or part.next_offset is None:
+            return None
+        while part.heap and part.heap[0] not in part.in_flight:
+            heapq.heappop(part.heap)
+        offset = part.heap[0] if part.heap else part.next_offset
+        highest_started = part.next_offset - 1
+        attempt = part.redelivered_attempt if highest_started <= part.redelivered_upto else 0
+        return offset, f"h={highest_started};a={attempt}"
+
+    def pending_commits(self) -> dict[object, tuple[int, str]]:
+        """Commit points that changed since `mark_committed`."""
+        out = {}
+        for tp, part in self.partitions.items():
+            point = self.commit_point(tp)
+            if point is not None and point != part.committed:
+                out[tp] = point
+        return out
+
+    def mark_committed(self, commits: dict[object, tuple[int, str]]) -> None:
+        for tp, point in commits.items():
+            part = self.partitions.get(tp)
+            if part is not None:
+                part.committed = point

@@ -1,0 +1,87 @@
+"""From a request's `messages` / `prompt` / `prompt_token_ids` to token ids.
+
+Chat messages are tokenized one message at a time and the ids concatenated, so
+the ids of a conversation's earlier turns are identical from one turn to the
+next — which is what lets the KV cache's chained block hashes find them. A
+model's own Jinja chat template is not used for that reason; the plain role
+markers below frame each message instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from schemas import InferenceRequest
+
+
+class PromptError(ValueError):
+    """The request's prompt cannot be turned into token ids for this model."""
+
+
+def _frame(role: str, content: str) -> str:
+    return f"<|{role}|>\n{content}\n"
+
+
+ASSISTANT_PREFIX = "<|assistant|>\n"
+
+
+@dataclass(slots=True)
+class PromptBuilder:
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    bos_token_id: int | None = None
+
+    def token_ids(self, request: InferenceRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise PromptError(
+                    f"prompt_token_ids holds {bad}, outside the vocabulary (size {self.vocab_size})"
+                )
+            return ids
+        if self.tokenizer is None:
+            raise PromptError(
+                "this model has no tokenizer.json; send prompt_token_ids instead of text"
+            )
+        prefix = [self.bos_token_id] if self.bos_token_id is not None else []
+        if request.prompt is not None:
+            return prefix + self._encode(request.prompt)
+        ids = list(prefix)
+        for message in request.messages or []:
+            ids += self._encode(_frame(message.role, message.content))
+        return ids + self._encode(ASSISTANT_PREFIX)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids  # type: ignore[union-attr]
+
+
+@dataclass(slots=True)
+class IncrementalDecoder:
+    """Turns a growing list of generated ids into text deltas.
+
+    Text that ends in an incomplete UTF-8 sequence (shown as U+FFFD) is held
+    back until the next token completes it.
+    """
+
+    tokenizer: Tokenizer | None
+    ids: list[int]
+    emitted: int = 0  # characters of text already handed out
+
+    def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
+        self.ids.extend(new_ids)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[self.emitted:]
+        self.emitted = len(text)
+        return delta
+
+    def text(self) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)

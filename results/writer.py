@@ -1,0 +1,141 @@
+"""Events to the reply topic; timeouts also to `sluice.timeouts`; dead letters.
+
+An idempotent producer (acks=all) writes every event, keyed by request id.
+Tokens are not awaited one by one; a terminal event is, and only once the
+broker has acknowledged it is the request's offset marked finished — the
+commit point never passes a request whose terminal event could still be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiokafka import AIOKafkaProducer
+
+from results.context import InFlight
+from schemas import (
+    DeadLetterRecord,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    TimeoutEvent,
+    TimeoutRecord,
+    Timing,
+    TokenEvent,
+    Usage,
+    encode,
+)
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+OnFinished = Callable[[object, int], None]
+
+
+class ResultWriter:
+    def __init__(self, settings: Settings, on_finished: OnFinished, model: str):
+        self.settings = settings
+        self.model = model
+        self._on_finished = on_finished
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True, acks="all",
+            linger_ms=1, request_timeout_ms=int(settings.client.timeout_secs * 1000),
+            max_request_size=8 * 1024 * 1024,
+        )
+        self._pending: set[asyncio.Future[object]] = set()
+        self.num_terminal = 0
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        await self.flush()
+        await self._producer.stop()
+
+    async def flush(self) -> None:
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def tokens(self, ctx: InFlight, token_ids: list[int]) -> None:
+        text = ctx.decoder.push(token_ids)
+        if not ctx.request.stream:
+            return
+        event = TokenEvent(request_id=ctx.request.request_id, attempt=ctx.attempt,
+                           seq=ctx.next_seq, token_ids=token_ids, text=text)
+        ctx.next_seq += 1
+        await self._send(ctx.reply_topic, event.request_id, encode(event))
+
+    async def done(self, ctx: InFlight, *, finish_reason: str, token_ids: list[int],
+                   num_cached_prompt_tokens: int, timing: Timing, adapter: str | None) -> None:
+        # Tokens not yet seen by the decoder (stream=False never pushes).
+        seen = len(ctx.decoder.ids)
+        if len(token_ids) > seen:
+            ctx.decoder.push(token_ids[seen:])
+        event = DoneEvent(
+            request_id=ctx.request.request_id, attempt=ctx.attempt,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            text=ctx.decoder.text(), token_ids=list(token_ids),
+            usage=Usage(prompt_tokens=ctx.num_prompt_tokens,
+                        cached_prompt_tokens=num_cached_prompt_tokens,
+                        completion_tokens=len(token_ids)),
+            timing=timing, model=self.model, adapter=adapter,
+        )
+        await self._terminal(ctx, encode(event))
+
+    async def error(self, ctx: InFlight, code: ErrorCode, message: str) -> None:
+        event = ErrorEvent(request_id=ctx.request.request_id, attempt=ctx.attempt, code=code,
+                           message=message)
+        await self._terminal(ctx, encode(event))
+
+    async def timeout(self, ctx: InFlight, waited_ms: float, reason: str) -> None:
+        event = TimeoutEvent(request_id=ctx.request.request_id, attempt=ctx.attempt,
+                             waited_ms=waited_ms, max_ttft_ms=ctx.max_ttft_ms)
+        record = TimeoutRecord(
+            request_id=ctx.request.request_id, model=self.model, attempt=ctx.attempt,
+            reason=reason, waited_ms=waited_ms, max_ttft_ms=ctx.max_ttft_ms,
+            request=ctx.request.model_dump(mode="json"),
+        )
+        await self._send(self.settings.topic("timeouts"), event.request_id, encode(record))
+        await self._terminal(ctx, encode(event))
+
+    async def error_without_context(self, *, tp: object, offset: int, reply_topic: str,
+                                    request_id: str, code: ErrorCode, message: str) -> None:
+        """An error for a record that never became an in-flight request."""
+        event = ErrorEvent(request_id=request_id, code=code, message=message)
+        future = await self._producer.send(reply_topic, encode(event), key=request_id.encode())
+        self._track(future, tp, offset)
+
+    async def dead_letter(self, *, tp: object, offset: int, topic: str, partition: int,
+                          key: bytes | None, value: bytes, reason: str) -> None:
+        record = DeadLetterRecord.of(reason=reason, topic=topic, partition=partition,
+                                     offset=offset, key=key, value=value)
+        future = await self._producer.send(self.settings.topic("deadletter"), encode(record),
+                                           key=key)
+        self._track(future, tp, offset)
+
+    async def _terminal(self, ctx: InFlight, value: bytes) -> None:
+        future = await self._producer.send(ctx.reply_topic, value,
+                                           key=ctx.request.request_id.encode())
+        self.num_terminal += 1
+        self._track(future, ctx.topic_partition, ctx.offset)
+
+    async def _send(self, topic: str, key: str, value: bytes) -> None:
+        future = await self._producer.send(topic, value, key=key.encode())
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+
+    def _track(self, future: asyncio.Future[object], tp: object, offset: int) -> None:
+        self._pending.add(future)
+
+        def acked(fut: asyncio.Future[object]) -> None:
+            self._pending.discard(fut)
+            if fut.cancelled() or fut.exception() is not None:
+                # Not acknowledged: leave the offset unfinished so it is served again.
+                log.error("terminal event for offset %s of %s not acknowledged: %s",
+                          offset, tp, None if fut.cancelled() else fut.exception())
+                return
+            self._on_finished(tp, offset)
+
+        future.add_done_callback(acked)

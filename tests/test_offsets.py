@@ -1,0 +1,67 @@
+"""The offset tracker: commit points, and attempts for records served again."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ingest.offsets import OffsetTracker
+
+
+def test_commit_point_is_lowest_unfinished() -> None:
+    tracker = OffsetTracker()
+    tracker.assign("p0", None)
+    for offset in (5, 6, 7):
+        assert tracker.start("p0", offset) == 0
+    assert tracker.commit_point("p0") == (5, "h=7;a=0")
+    tracker.finish("p0", 6)
+    assert tracker.commit_point("p0") == (5, "h=7;a=0")
+    tracker.finish("p0", 5)
+    assert tracker.commit_point("p0") == (7, "h=7;a=0")
+    tracker.finish("p0", 7)
+    assert tracker.commit_point("p0") == (8, "h=7;a=0")
+
+
+def test_pending_commits_only_when_changed() -> None:
+    tracker = OffsetTracker()
+    tracker.assign("p0", None)
+    tracker.start("p0", 0)
+    commits = tracker.pending_commits()
+    assert commits == {"p0": (0, "h=0;a=0")}
+    tracker.mark_committed(commits)
+    assert tracker.pending_commits() == {}
+    tracker.finish("p0", 0)
+    assert tracker.pending_commits() == {"p0": (1, "h=0;a=0")}
+
+
+def test_records_left_by_a_crashed_owner_get_the_next_attempt() -> None:
+    tracker = OffsetTracker()
+    tracker.assign("p0", "h=9;a=0")  # the last owner had started up to offset 9
+    assert tracker.start("p0", 8) == 1
+    assert tracker.start("p0", 9) == 1
+    assert tracker.start("p0", 10) == 0
+    assert tracker.commit_point("p0") == (8, "h=10;a=0")
+
+    again = OffsetTracker()
+    again.assign("p0", "h=9;a=1")  # crashed twice
+    assert again.start("p0", 9) == 2
+    assert again.commit_point("p0") == (9, "h=9;a=2")
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=60, unique=True), st.randoms())
+def test_commit_point_never_passes_an_unfinished_offset(offsets, rnd) -> None:
+    tracker = OffsetTracker()
+    tracker.assign("p", None)
+    offsets = sorted(offsets)
+    for offset in offsets:
+        tracker.start("p", offset)
+    unfinished = set(offsets)
+    order = list(offsets)
+    rnd.shuffle(order)
+    for offset in order:
+        tracker.finish("p", offset)
+        unfinished.discard(offset)
+        point, _ = tracker.commit_point("p")
+        assert all(point <= u for u in unfinished)
+        if not unfinished:
+            assert point == offsets[-1] + 1
