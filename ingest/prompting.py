@@ -9,7 +9,9 @@ markers below frame each message instead.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -32,6 +34,17 @@ class PromptBuilder:
     tokenizer: Tokenizer | None
     vocab_size: int
     bos_token_id: int | None = None
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, tokenizer: Tokenizer | None,
+                  vocab_size: int) -> PromptBuilder:
+        """Reads the beginning-of-sequence id from the model's config.json."""
+        try:
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        bos = config.get("bos_token_id")
+        return cls(tokenizer, vocab_size, bos if isinstance(bos, int) else None)
 
     def token_ids(self, request: InferenceRequest) -> list[int]:
         if request.prompt_token_ids is not None:

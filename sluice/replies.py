@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import REPLY_EVENT_ADAPTER, TERMINAL_TYPES, ReplyEvent, TokenEvent
+from sluice.topics import partitions_of
 
 
 @dataclass(slots=True)
@@ -37,7 +38,7 @@ class ReplyReader:
 
     async def start(self) -> None:
         await self._consumer.start()
-        partitions = self._consumer.partitions_for_topic(self.topic)
+        partitions = await partitions_of(self._consumer, self.topic)
         if not partitions:
             await self._consumer.stop()
             raise ValueError(f"reply topic {self.topic!r} does not exist")

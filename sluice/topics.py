@@ -90,3 +90,13 @@ class TopicAdmin:
         return await dependency_call(
             "listing Kafka topics", self._admin.list_topics(), self._settings.client.timeout_secs
         )
+
+
+async def partitions_of(consumer: object, topic: str) -> set[int]:
+    """The partitions of `topic`, fetched fresh from the broker (empty if it does not exist).
+
+    aiokafka's `partitions_for_topic` only knows topics the client already
+    follows; this asks the broker for full metadata instead.
+    """
+    metadata = await consumer._client.fetch_all_metadata()  # type: ignore[attr-defined]
+    return set(metadata.partitions_for_topic(topic) or ())

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import typer
 
-from sluice.cli import infra_cmd, registry_cmd, schemas_cmd
+from sluice.cli import (
+    generate_cmd,
+    infra_cmd,
+    models_cmd,
+    registry_cmd,
+    schemas_cmd,
+    worker_cmd,
+)
 
 app = typer.Typer(
     name="sluice",
@@ -17,7 +24,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-for module in (infra_cmd, schemas_cmd, registry_cmd):
+for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, worker_cmd):
     module.register(app)
 
 

@@ -94,7 +94,18 @@ def add_model_commands(models: typer.Typer) -> None:
         Console().print(table)
 
 
+def _models_group(app: typer.Typer) -> typer.Typer:
+    """The `sluice models` group (made by models_cmd), or a new one."""
+    for group in app.registered_groups:
+        if group.name == "models" and group.typer_instance is not None:
+            return group.typer_instance
+    models = typer.Typer(help="Models: register and configure.", no_args_is_help=True)
+    app.add_typer(models, name="models")
+    return models
+
+
 def register(app: typer.Typer) -> None:
+    add_model_commands(_models_group(app))
     adapters = typer.Typer(help="LoRA adapters of a registered model.", no_args_is_help=True)
     keys = typer.Typer(help="API keys and their grants.", no_args_is_help=True)
     app.add_typer(adapters, name="adapters")

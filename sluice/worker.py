@@ -1,0 +1,319 @@
+"""`sluice worker`: one model replica serving one model's request topic.
+
+One asyncio loop (uvloop) holds the consumer, the producer, the database pool
+and the engine loop; the model step runs in the engine's thread. Pieces:
+
+- `DeploymentWatcher` follows `sluice.control`; placement changes apply at
+  once (max_ttft, pools); compute-config changes drain, reload and resume.
+- `RequestIngest` reads records, checks them and submits `batcher.Request`s.
+- The event pump turns engine events into wire events (`ResultWriter`).
+- The commit loop commits, per partition, the lowest unfinished offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+from aiokafka import TopicPartition
+
+from batcher import types as bt
+from batcher.config import BatcherConfig
+from batcher.engine import Engine
+from batcher.types import Request
+from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
+from ingest.consumer import Accepted, RequestIngest
+from ingest.offsets import OffsetTracker
+from ingest.permissions import PermissionChecker
+from ingest.prompting import IncrementalDecoder, PromptBuilder
+from results.context import InFlight
+from results.writer import ResultWriter
+from schemas import ErrorCode, ModelDeployment, Timing
+from sluice.db import create_pool
+from sluice.deployments import DeploymentWatcher
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Compute-config fields whose change needs the model reloaded.
+RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora_rank", "dtype")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    model: str
+    device: str = "cpu"
+    tp: int | None = None  # None: the model's compute config decides
+    replica: int = 0
+    instance_id: str | None = None
+    max_num_batched_tokens: int = 512
+    memory_budget_bytes: int | None = None
+    wait_for_model_s: float = 600.0
+
+
+class Worker:
+    def __init__(self, settings: Settings, options: WorkerOptions):
+        self.settings = settings
+        self.options = options
+        self.model = options.model
+        self.instance_id = options.instance_id or (
+            f"{settings.pool}-{socket.gethostname()}-{options.replica}"
+        )
+        self.tracker = OffsetTracker()
+        self.in_flight: dict[str, InFlight] = {}
+        self.deployment: ModelDeployment | None = None
+        self.runtime: Runtime | None = None
+        self.engine: Engine | None = None
+        self.ingest: RequestIngest | None = None
+        self.writer: ResultWriter | None = None
+        self._serving = asyncio.Event()  # this pool is in the model's placement
+        self._reload = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.num_reloads = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        watcher = DeploymentWatcher(self.settings, self.model)
+        pool = await create_pool(self.settings, max_size=4)
+        checker = PermissionChecker(pool, self.settings.db_schema,
+                                    call_timeout_s=self.settings.client.timeout_secs)
+        self.writer = ResultWriter(self.settings, self.tracker.finish, self.model)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await checker.start()
+            await self.writer.start()
+            await watcher.start(self._on_deployment)
+            self.deployment = await watcher.wait_for_deployment(self.options.wait_for_model_s)
+            self._apply_placement(self.deployment)
+            await self._load(self.deployment)
+            self.ingest = self._make_ingest(checker)
+            await self.ingest.start()
+            tasks = [asyncio.create_task(c) for c in
+                     (self._consume(), self._pump_events(), self._commit_loop())]
+            await self._stopping.wait()
+        finally:
+            await self._shutdown(tasks, watcher, checker, pool)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]], watcher: DeploymentWatcher,
+                        checker: PermissionChecker, pool: object) -> None:
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(30):
+                    await self.engine.drain()
+        await asyncio.sleep(0.2)  # let the pump write the last events
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.writer is not None:
+            await self.writer.stop()
+        if self.ingest is not None:
+            await self.ingest.commit()
+            await self.ingest.stop()
+        if self.engine is not None:
+            await self.engine.stop()
+        await watcher.stop()
+        await checker.close()
+        await pool.close()  # type: ignore[attr-defined]
+
+    # ---- deployment ------------------------------------------------------------------
+
+    def _runtime_config(self, dep: ModelDeployment) -> RuntimeConfig:
+        cc = dep.compute_config
+        return RuntimeConfig(
+            device=self.options.device, dtype=None if cc.dtype == "auto" else cc.dtype,
+            kv_cache_len=cc.kv_cache_len, quantization=cc.quantization,
+            memory_budget_bytes=self.options.memory_budget_bytes,
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+        )
+
+    async def _load(self, dep: ModelDeployment) -> None:
+        started = time.monotonic()
+        self.runtime = await asyncio.to_thread(Runtime, dep.path, self._runtime_config(dep))
+        self.engine = Engine(self.runtime, BatcherConfig(
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+            max_adapters_per_step=max(1, dep.compute_config.max_adapters),
+        ))
+        await self.engine.start()
+        log.info("loaded %s (revision %d) in %.1f s", dep.model, dep.revision,
+                 time.monotonic() - started)
+
+    def _apply_placement(self, dep: ModelDeployment) -> None:
+        if self.settings.pool in dep.placement.compute_pools:
+            self._serving.set()
+        else:
+            self._serving.clear()
+        if self.ingest is not None:
+            self.ingest.max_ttft_ms = dep.placement.max_ttft_ms
+            self.ingest.adapters = frozenset(a.name for a in dep.adapters)
+
+    async def _on_deployment(self, dep: ModelDeployment) -> None:
+        previous = self.deployment
+        self.deployment = dep
+        self._apply_placement(dep)
+        if previous is None:
+            return
+        old, new = previous.compute_config, dep.compute_config
+        if any(getattr(old, f) != getattr(new, f) for f in RELOAD_FIELDS) or (
+            previous.path != dep.path
+        ):
+            self._reload.set()
+
+    def _make_ingest(self, checker: PermissionChecker) -> RequestIngest:
+        assert self.runtime is not None and self.writer is not None and self.deployment
+        prompts = PromptBuilder.for_model(self.deployment.path, self.runtime.tokenizer,
+                                          self.runtime.model_config.vocab_size)
+        ingest = RequestIngest(
+            self.settings, model=self.model, instance_id=self.instance_id,
+            tracker=self.tracker, writer=self.writer, checker=checker, prompts=prompts,
+            submit=self._submit, on_revoked=self._on_revoked,
+        )
+        ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
+        ingest.adapters = frozenset(a.name for a in self.deployment.adapters)
+        return ingest
+
+    # ---- requests in -----------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        assert self.ingest is not None
+        paused = False
+        while True:
+            if self._reload.is_set():
+                await self._drain_and_reload()
+            engine = self.engine
+            assert engine is not None
+            full = engine.is_full() or not self._serving.is_set()
+            assignment = self.ingest.consumer.assignment()
+            if full and not paused and assignment:
+                self.ingest.consumer.pause(*assignment)
+                paused = True
+            elif not full and paused:
+                self.ingest.consumer.resume(*self.ingest.consumer.paused())
+                paused = False
+            if paused:
+                # Paused partitions still heartbeat; poll so rebalances are served.
+                await self.ingest.consumer.getmany(timeout_ms=50)
+                await asyncio.sleep(0.02)
+                continue
+            await self.ingest.poll(max_records=256)
+
+    async def _submit(self, accepted: Accepted) -> None:
+        assert self.writer is not None and self.runtime is not None and self.engine is not None
+        req = accepted.request
+        ctx = InFlight(
+            request=req, topic_partition=accepted.tp, offset=accepted.offset,
+            reply_topic=accepted.reply_topic, attempt=accepted.attempt,
+            arrival_time=accepted.arrival_time, max_ttft_ms=accepted.max_ttft_ms,
+            decoder=IncrementalDecoder(self.runtime.tokenizer, []),
+            num_prompt_tokens=len(accepted.token_ids),
+        )
+        if accepted.expired:
+            waited = (time.time() - accepted.arrival_time) * 1000
+            await self.writer.timeout(ctx, waited, "permission database unavailable until "
+                                      "the request's max_ttft_ms passed")
+            return
+        key = f"{req.request_id}#{accepted.tp.partition}:{accepted.offset}"
+        if key in self.in_flight:
+            return
+        params = SamplingParams(
+            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
+        )
+        self.in_flight[key] = ctx
+        try:
+            self.engine.submit(Request(
+                request_id=key, token_ids=tuple(accepted.token_ids), params=params,
+                arrival_time=accepted.arrival_time, max_ttft=accepted.max_ttft_ms / 1000,
+                adapter_key=req.adapter, attempt=accepted.attempt, origin=ctx,
+            ))
+        except Exception as exc:
+            del self.in_flight[key]
+            await self.writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
+
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+        """Partitions move away: finish their requests (bounded), else cancel them."""
+        gone = set(revoked)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(
+            c.topic_partition in gone for c in self.in_flight.values()
+        ):
+            await asyncio.sleep(0.05)
+        if self.engine is not None:
+            for key, ctx in list(self.in_flight.items()):
+                if ctx.topic_partition in gone:
+                    self.engine.cancel(key)
+        if self.ingest is not None:
+            await self.ingest.commit()
+
+    async def _drain_and_reload(self) -> None:
+        assert self.engine is not None and self.ingest is not None and self.deployment
+        self._reload.clear()
+        log.info("compute config changed: draining %d requests", self.engine.num_unfinished)
+        await self.engine.drain()
+        await asyncio.sleep(0.1)
+        if self.writer is not None:
+            await self.writer.flush()
+        await self.ingest.commit()
+        await self.engine.stop()
+        await self._load(self.deployment)
+        self.num_reloads += 1
+
+    # ---- events out ------------------------------------------------------------------
+
+    async def _pump_events(self) -> None:
+        assert self.writer is not None
+        while True:
+            engine = self.engine
+            assert engine is not None
+            try:
+                async with asyncio.timeout(0.2):
+                    event = await engine.next_event()
+            except TimeoutError:
+                continue  # the engine may have been swapped by a reload
+            try:
+                await self._write(event)
+            except Exception:
+                log.exception("writing an event failed")
+
+    async def _write(self, event: bt.Event) -> None:
+        assert self.writer is not None
+        ctx: InFlight = event.origin
+        if isinstance(event, bt.TokenEvent):
+            await self.writer.tokens(ctx, list(event.token_ids))
+            return
+        self.in_flight.pop(event.request_id, None)
+        if isinstance(event, bt.DoneEvent):
+            t = event.timing
+            await self.writer.done(
+                ctx, finish_reason=event.finish_reason, token_ids=list(event.token_ids),
+                num_cached_prompt_tokens=event.usage.num_cached_prompt_tokens,
+                timing=Timing(queue_ms=max(0.0, t.queue_ms), ttft_ms=max(0.0, t.ttft_ms),
+                              total_ms=max(0.0, t.total_ms)),
+                adapter=event.adapter_key,
+            )
+        elif isinstance(event, bt.ErrorEvent):
+            try:
+                code = ErrorCode(event.code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            await self.writer.error(ctx, code, event.message)
+        elif isinstance(event, bt.TimeoutEvent):
+            reason = ("predicted to miss max_ttft_ms" if event.early
+                      else "max_ttft_ms passed before the first token")
+            await self.writer.timeout(ctx, event.waited_ms, reason)
+        # Cancelled: no terminal event; the offset stays unfinished and is served again.
+
+    async def _commit_loop(self) -> None:
+        assert self.ingest is not None
+        while True:
+            await asyncio.sleep(0.1)
+            await self.ingest.commit()

@@ -1,0 +1,59 @@
+"""Helpers for end-to-end tests: a served tiny model with a worker subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.settings import Settings
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+
+def settings_env(settings: Settings, pool: str = "default") -> dict[str, str]:
+    return {
+        **os.environ,
+        "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
+        "SLUICE_DATABASE_URL": str(settings.database_url),
+        "SLUICE_DB_SCHEMA": settings.db_schema,
+        "SLUICE_TOPIC_PREFIX": settings.topic_prefix,
+        "SLUICE_POOL": pool,
+    }
+
+
+@contextlib.contextmanager
+def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str = "default",
+                   replica: int = 0, extra: list[str] | None = None) -> Iterator[WorkerProcess]:
+    log_path = log_dir / f"worker-{pool}-{replica}-{time.monotonic_ns()}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice", "worker", "--model", model, "--replica",
+             str(replica), *(extra or [])],
+            env=settings_env(settings, pool), stdout=log, stderr=subprocess.STDOUT,
+        )
+    worker = WorkerProcess(proc, log_path)
+    try:
+        yield worker
+    finally:
+        worker.kill(signal.SIGTERM)
+        worker.kill(signal.SIGKILL)

@@ -1,0 +1,167 @@
+"""Requests in on Kafka, tokens out on Kafka: a worker process, the SDK, the real broker/DB."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import asyncpg
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+import sluice
+from gpu_runtime.tiny import make_tiny_model
+from schemas import DeadLetterRecord, DoneEvent, TokenEvent, decode
+from sluice.errors import RequestError, RequestTimeoutError
+from sluice.settings import Settings
+from tests.integration.pipeline_helpers import worker_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def settings(endpoints, unique_name) -> Settings:
+    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                    database_url=endpoints.database_url, db_schema=unique_name,
+                    topic_prefix=unique_name, request_partitions=2)
+
+
+async def _drop_schema(settings: Settings) -> None:
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
+    await conn.close()
+
+
+def _setup(settings: Settings, model_dir: Path, **compute: object) -> tuple[sluice.Client, str]:
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir),
+                           compute_config={"kv_cache_len": 4096, **compute})
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    return client, key
+
+
+async def _read_until(settings: Settings, topic: str, found, timeout_s: float = 30) -> list:
+    """Records of `topic` from the start, until `found(records)` holds."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    out: list = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not found(out):
+                batch = await consumer.getmany(timeout_ms=500)
+                out += [r for rs in batch.values() for r in rs]
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def test_multi_turn_session_reuses_the_kv_cache(settings, tiny_model, tmp_path) -> None:
+    client, key = _setup(settings, tiny_model)
+    try:
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            messages = [{"role": "system", "content": "You are a terse helper."},
+                        {"role": "user", "content": "Tell me about the river."}]
+            cached = []
+            for turn in range(3):
+                tokens: list[int] = []
+                done = None
+                async with asyncio.timeout(120):
+                    async for event in client.stream(
+                        model="tiny", api_key=key, session_id="chat-42", messages=messages,
+                        max_tokens=12, request_id=f"turn-{turn}",
+                    ):
+                        if isinstance(event, TokenEvent):
+                            tokens += event.token_ids
+                        else:
+                            done = event
+                assert isinstance(done, DoneEvent), (done, worker.log())
+                assert done.token_ids == tokens
+                assert done.usage.completion_tokens == len(tokens)
+                cached.append(done.usage.cached_prompt_tokens)
+                messages += [{"role": "assistant", "content": done.text},
+                             {"role": "user", "content": f"And then, part {turn}?"}]
+            assert cached[0] == 0
+            assert cached[1] > 0 and cached[2] > cached[1], cached
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
+
+
+async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) -> None:
+    client, key = _setup(settings, tiny_model)
+    other = client.keys.create(tenant="globex")
+    try:
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            ok = await asyncio.wait_for(client.complete(
+                model="tiny", api_key=key, prompt="Hello there", max_tokens=4), 120)
+            assert ok.finish_reason in ("stop", "length"), worker.log()
+
+            async def code_of(**fields: object) -> str:
+                with pytest.raises(RequestError) as info:
+                    await asyncio.wait_for(client.complete(model="tiny", **fields), 60)
+                return info.value.code
+
+            assert await code_of(api_key=other, prompt="hi") == "unauthorized"
+            assert await code_of(api_key="sk-sluice-nonsense", prompt="hi") == "unauthorized"
+            assert await code_of(prompt="hi") == "unauthorized"
+            assert await code_of(api_key=key, prompt="hi", adapter="ghost") == "unknown_adapter"
+            assert await code_of(api_key=key, prompt_token_ids=[1, 999_999]) == "invalid_request"
+            assert await code_of(api_key=key, prompt_token_ids=[5] * 3000) == "context_too_long"
+
+            # Malformed bytes go to the dead-letter topic; fields that parse but are
+            # wrong get an `invalid_request` event on the reply topic.
+            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+            await producer.start()
+            await producer.send_and_wait(settings.requests_topic("tiny"), b"\xff\xfe not json")
+            bad_fields = {"v": 1, "request_id": "typed-wrong", "model": "tiny",
+                          "prompt": "hi", "max_tokens": "many"}
+            await producer.send_and_wait(settings.requests_topic("tiny"),
+                                         orjson.dumps(bad_fields))
+            await producer.stop()
+            dead = await _read_until(settings, settings.topic("deadletter"), bool)
+            record = decode(DeadLetterRecord, dead[0].value)
+            assert record.value() == b"\xff\xfe not json" and "undecodable" in record.reason
+            events = await _read_until(settings, settings.topic("results"), lambda rs: any(
+                b"typed-wrong" in r.value for r in rs))
+            answers = [orjson.loads(r.value) for r in events]
+            typed = [a for a in answers if a["request_id"] == "typed-wrong"]
+            assert typed and typed[0]["code"] == "invalid_request"
+            assert "max_tokens" in typed[0]["message"]
+
+            # The worker kept serving throughout.
+            again = await asyncio.wait_for(client.complete(
+                model="tiny", api_key=key, prompt="Still there?", max_tokens=3), 60)
+            assert again.usage.completion_tokens >= 1
+            assert worker.proc.poll() is None
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
+
+
+async def test_request_expired_before_any_worker_times_out(settings, tiny_model,
+                                                           tmp_path) -> None:
+    client, key = _setup(settings, tiny_model)
+    try:
+        pending = asyncio.create_task(client.complete(
+            model="tiny", api_key=key, prompt="too late", max_tokens=4, max_ttft_ms=500,
+            request_id="late-1"))
+        await asyncio.sleep(1.5)  # no worker yet: the deadline passes in the queue
+        with worker_process(settings, "tiny", tmp_path):
+            with pytest.raises(RequestTimeoutError) as info:
+                await asyncio.wait_for(pending, 120)
+            assert info.value.waited_ms >= 500
+            records = await _read_until(settings, settings.topic("timeouts"), bool)
+            record = orjson.loads(records[0].value)
+            assert record["request_id"] == "late-1"
+            assert record["request"]["prompt"] == "too late"
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
