@@ -165,3 +165,50 @@ async def test_request_expired_before_any_worker_times_out(settings, tiny_model,
     finally:
         await client.aclose()
         await _drop_schema(settings)
+
+
+def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.integration.pipeline_helpers import settings_env
+
+    client, key = _setup(settings, tiny_model)
+    client.close()
+    in_path, out_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": f"job-{i}", "body": {"prompt": f"Item number {i}:",
+                                                 "max_tokens": 3 + i % 4}} for i in range(500)]
+    lines.append({"custom_id": "bad-1", "body": {"prompt": "x", "max_tokens": -1}})
+    in_path.write_bytes(b"\n".join(orjson.dumps(line) for line in lines) + b"\n")
+    env = {**settings_env(settings), "SLUICE_API_KEY": key}
+    cmd = [sys.executable, "-m", "sluice", "batch", str(in_path), "--model", "tiny",
+           "-o", str(out_path)]
+    try:
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                written = out_path.read_bytes().count(b"\n") if out_path.exists() else 0
+                if written >= 100:
+                    break
+                assert first.poll() is None, first.stdout.read().decode()  # type: ignore[union-attr]
+                time.sleep(0.2)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            partial = out_path.read_bytes().count(b"\n")
+            assert 100 <= partial < 501, partial
+
+            second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            assert second.returncode == 0, second.stdout + second.stderr + worker.log()
+            assert "skipped" in second.stdout and "tokens/s" in second.stdout
+    finally:
+        asyncio.run(_drop_schema(settings))
+    outputs = [orjson.loads(raw) for raw in out_path.read_bytes().splitlines() if raw.strip()]
+    ids = [o["custom_id"] for o in outputs]
+    assert len(ids) == len(set(ids)) == 501
+    by_id = {o["custom_id"]: o for o in outputs}
+    assert by_id["bad-1"]["error"]["code"] == "invalid_request"
+    assert all(by_id[f"job-{i}"]["response"]["type"] == "done" for i in range(500))
