@@ -9,6 +9,8 @@ from __future__ import annotations
 import typer
 
 from sluice.cli import (
+    batch_cmd,
+    demo_cmd,
     generate_cmd,
     infra_cmd,
     models_cmd,
@@ -24,7 +26,8 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, worker_cmd):
+for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, worker_cmd,
+               batch_cmd, demo_cmd):
     module.register(app)
 
 

@@ -1,0 +1,45 @@
+"""`sluice demo`: the main job on the embedded default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sluice.cli.common import friendly_errors
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    @friendly_errors
+    def demo_cmd(
+        workdir: Annotated[Path | None, typer.Option(
+            "--workdir", help="Where the demo keeps its model and files.")] = None,
+        conversations: Annotated[int, typer.Option(help="Concurrent chats.")] = 4,
+        bulk: Annotated[int, typer.Option(help="Requests in the bulk job.")] = 32,
+    ) -> None:
+        """Start local Kafka + PostgreSQL if needed, then serve a multi-turn,
+        multi-adapter chat workload and a bulk job through them; print a summary."""
+        import logging
+
+        import uvloop
+        from rich.console import Console
+
+        from infra.common import InfraConfig, default_cache_dir
+        from sluice.demo import run_demo
+        from sluice.logs import setup_logging
+        from sluice.settings import Settings
+
+        setup_logging("WARNING")
+        logging.getLogger("sluice").setLevel(logging.WARNING)
+        console = Console()
+        if not (os.environ.get("SLUICE_KAFKA_BOOTSTRAP") and os.environ.get("SLUICE_DATABASE_URL")):
+            from infra import local
+
+            console.print("starting the local Kafka broker and PostgreSQL ...")
+            local.up(InfraConfig.from_env())
+        settings = Settings.load()
+        uvloop.run(run_demo(settings, workdir or default_cache_dir() / "demo",
+                            conversations=conversations, bulk_requests=bulk, console=console))
