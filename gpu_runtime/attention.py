@@ -1,0 +1,109 @@
+"""Attention over the paged KV cache: the torch path (CPU and fallback).
+
+KV cache of one layer: ``kv[0]`` keys, ``kv[1]`` values, each
+``[num_blocks, block_size, n_kv, head_dim]``. A sequence's tokens live in the
+blocks of its block table, in order::
+
+    block_table = [7, 2, 9]          block_size = 4, 10 tokens
+    token p  ->  block block_table[p // 4], offset p % 4
+    slots:   7*4+0 .. 7*4+3 | 2*4+0 .. 2*4+3 | 9*4+0, 9*4+1
+
+Decode rows (one query token per sequence) are batched into one
+scaled-dot-product call over padded block tables with a key mask; a decode
+query of a GQA model is laid out as ``[n_kv, group, D]`` so the group becomes
+the query length and K/V are never repeated. Prefill chunks loop over
+sequences (one SDPA call each, causal with an offset when earlier tokens are
+already cached).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu_runtime.context import PrefillChunk, StepContext
+
+
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter this step's keys/values into their cache slots.
+
+    kv: [2, num_blocks, block_size, n_kv, D]; k, v: [T, n_kv, D]; slots: [T] int64
+    """
+    n_kv, head_dim = kv.shape[-2], kv.shape[-1]
+    kv[0].view(-1, n_kv, head_dim).index_copy_(0, slots, k)
+    kv[1].view(-1, n_kv, head_dim).index_copy_(0, slots, v)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D]; block_tables: [B, max_blocks]; mask: [B, 1, 1, S] -> [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    n_kv = kv.shape[-2]
+    # One contiguous-row gather for K and V together (faster than advanced indexing on CPU).
+    kv_seq = kv.index_select(1, block_tables.flatten())  # [2, B * max_blocks, bs, n_kv, D]
+    kv_seq = kv_seq.view(2, batch, -1, n_kv, head_dim).transpose(2, 3)  # [2, B, n_kv, S, D]
+    k, v = kv_seq[0], kv_seq[1]
+    q = q.view(batch, n_kv, num_heads // n_kv, head_dim)  # [B, n_kv, group, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kv: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's chunk. q: [n, H, D]; k_new, v_new: [n, n_kv, D] -> [n, H, D]."""
+    n = q.shape[0]
+    ctx_len = chunk.num_computed + n
+    if chunk.num_computed == 0:
+        k, v = k_new, v_new  # [n, n_kv, D]: nothing earlier to gather
+    else:
+        k = kv[0][chunk.block_table].flatten(0, 1)[:ctx_len]  # [ctx, n_kv, D]
+        v = kv[1][chunk.block_table].flatten(0, 1)[:ctx_len]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, n_kv, ctx, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    mask = None
+    if chunk.num_computed > 0:
+        rows = torch.arange(n, device=q.device)[:, None] + chunk.num_computed
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [n, ctx]
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    ctx: StepContext,
+    scale: float,
+) -> torch.Tensor:
+    """All rows of a step. q: [T, H, D]; k, v: [T, n_kv, D] (already written to kv)."""
+    if ctx.use_triton:
+        from gpu_runtime.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            q, kv[0], kv[1], ctx.block_tables, ctx.token_seq_idx, ctx.token_ctx_len, scale
+        )
+    if not ctx.prefills:
+        return decode_attention(q, kv, ctx.decode_block_tables, ctx.decode_mask, scale)
+    out = torch.empty_like(q)
+    if ctx.num_decodes:
+        d = ctx.num_decodes
+        out[:d] = decode_attention(q[:d], kv, ctx.decode_block_tables, ctx.decode_mask, scale)
+    for chunk in ctx.prefills:
+        rows = slice(chunk.start, chunk.end)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale)
+    return out

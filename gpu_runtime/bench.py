@@ -1,0 +1,187 @@
+"""A runtime micro-benchmark on a SmolLM-135M-shaped random-weight model.
+
+`bench_runtime(device, quick)` measures decode tokens/s at batch 1/8/32/64 and
+prefill tokens/s, Hugging Face `generate` on the same weights (when
+transformers is installed), and the machine's limits: memory bandwidth (a
+large tensor copy) and matmul FLOP/s at the decode shapes. Fractions:
+
+    batch-1 decode   bytes of weights read per step * steps/s  /  bandwidth
+    batch-B decode   2 * params * B * steps/s  /  matmul FLOP/s at [B, hidden] shapes
+
+Quick mode uses 4 of the 30 layers and fewer steps (said in the result).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from gpu_runtime.runtime import Runtime, RuntimeConfig
+from gpu_runtime.sequence import SamplingParams, StepPlan
+from gpu_runtime.tiny import random_llama_weights
+
+SMOLLM_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 0,
+}
+PROMPT_LEN = 128
+
+
+def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _write_model(config: dict, out: Path) -> None:
+    import json
+
+    save_file(random_llama_weights(config, seed=0), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def _prompts(batch: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(1, vocab, (batch, PROMPT_LEN), generator=g).tolist()
+
+
+def _decode_tps(rt: Runtime, batch: int, steps: int, sync: Callable[[], None]) -> float:
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    for i, p in enumerate(_prompts(batch, rt.model_config.vocab_size)):
+        rt.add_sequence(f"b{batch}-{i}", p, params)
+    rt.execute(StepPlan({s: q.num_uncomputed for s, q in rt.sequences.items()}))
+    ids = list(rt.sequences)
+    rt.execute(StepPlan(dict.fromkeys(ids, 1)))  # warm-up
+
+    def run() -> None:
+        for _ in range(steps):
+            rt.execute(StepPlan(dict.fromkeys(ids, 1)))
+
+    seconds = _timed(run, sync)
+    for s in ids:
+        rt.remove_sequence(s)
+    return batch * steps / seconds
+
+
+def _prefill_tps(rt: Runtime, sync: Callable[[], None]) -> float:
+    prompts = _prompts(8, rt.model_config.vocab_size)
+    for i, p in enumerate(prompts):
+        p[0] = i  # distinct first blocks: no prefix-cache hits across rounds
+        rt.add_sequence(f"p{i}", p, SamplingParams(max_tokens=1))
+    seconds = _timed(lambda: rt.execute(StepPlan(dict.fromkeys(rt.sequences, PROMPT_LEN))), sync)
+    return 8 * PROMPT_LEN / seconds
+
+
+def _hf_decode_tps(path: Path, batch: int, steps: int, device: str) -> float | None:
+    try:
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        return None
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(_prompts(batch, model.config.vocab_size), device=device)
+
+    def gen(n: int) -> Callable[[], object]:
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return lambda: model.generate(ids, **kw)
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.inference_mode():
+        gen(2)()
+        t1 = _timed(gen(1), sync)
+        tn = _timed(gen(steps + 1), sync)
+    return batch * steps / max(tn - t1, 1e-9)
+
+
+def _machine_limits(
+    device: str, hidden: int, inter: int, batches: list[int], sync: Callable[[], None]
+) -> dict:
+    src = torch.empty(64 << 20, dtype=torch.float32, device=device).normal_()  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = min(_timed(lambda: dst.copy_(src), sync) for _ in range(3))
+    bandwidth = 2 * src.numel() * 4 / seconds  # read + write
+    flops = {}
+    shapes = [(hidden, hidden), (inter, hidden), (hidden, inter)]
+    weights = [torch.randn(o, i, device=device) for o, i in shapes]
+    for b in batches:
+        xs = [torch.randn(b, w.shape[1], device=device) for w in weights]
+
+        def mm(xs: list[torch.Tensor] = xs) -> None:
+            for _ in range(20):
+                for x, w in zip(xs, weights, strict=True):
+                    torch.nn.functional.linear(x, w)
+
+        mm()
+        seconds = min(_timed(mm, sync) for _ in range(3))
+        flops[b] = 20 * sum(2 * b * w.numel() for w in weights) / seconds
+    return {"memory_bandwidth_bytes_s": bandwidth, "matmul_flops": flops}
+
+
+def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
+    """Measure the runtime (and HF) on a SmolLM-135M-shaped model; returns a JSON-able dict."""
+    config = dict(SMOLLM_135M, num_hidden_layers=4 if quick else 30)
+    steps = 4 if quick else 32
+    batches = [1, 8, 32, 64]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        _write_model(config, path)
+        rt = Runtime(path, RuntimeConfig(device=device, dtype="float32", kv_cache_len=64 * 256))
+        linear_params = sum(
+            p.numel() for n, p in rt.model.named_parameters() if n.endswith("proj.weight")
+        )
+        step_params = linear_params + config["vocab_size"] * config["hidden_size"]  # + LM head
+        limits = _machine_limits(
+            device, config["hidden_size"], config["intermediate_size"], batches, sync
+        )
+        decode = {b: _decode_tps(rt, b, steps, sync) for b in batches}
+        prefill = _prefill_tps(rt, sync)
+        hf = {b: _hf_decode_tps(path, b, steps, device) for b in (1, 8)}
+    bw = limits["memory_bandwidth_bytes_s"]
+    return {
+        "device": device,
+        "quick": quick,
+        "note": "quick mode: 4 of 30 layers, 4 decode steps" if quick else "full model, 32 steps",
+        "model": {"layers": config["num_hidden_layers"], "params_per_step": step_params},
+        "threads": torch.get_num_threads(),
+        "decode_tokens_s": decode,
+        "prefill_tokens_s": prefill,
+        "hf_generate_decode_tokens_s": hf,
+        "memory_bandwidth_gb_s": bw / 1e9,
+        "matmul_gflops": {b: f / 1e9 for b, f in limits["matmul_flops"].items()},
+        "batch1_fraction_of_bandwidth": decode[1] * step_params * 4 / bw,
+        "fraction_of_matmul_limit": {
+            b: decode[b] * 2 * step_params / limits["matmul_flops"][b] for b in batches
+        },
+    }
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(
+        json.dumps(
+            bench_runtime(sys.argv[1] if len(sys.argv) > 1 else "cpu", "--full" not in sys.argv),
+            indent=2,
+        )
+    )

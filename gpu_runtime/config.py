@@ -1,0 +1,132 @@
+"""The model's architecture, read from a Hugging Face `config.json`.
+
+A plain dataclass instead of transformers' config classes: the runtime must
+not pay transformers' import time, and it needs only a dozen fields. Both the
+transformers-4 (`rope_theta` + `rope_scaling`) and transformers-5
+(`rope_parameters`) spellings of RoPE settings are understood.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {raw['hidden_act']!r}; only silu")
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            head_dim = raw.get("head_dim") or hidden // num_heads
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(head_dim),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases and no `attention_bias` key.
+                attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                rope=_rope_config(raw),
+                eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+                torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+                architecture=arch,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        config = cls.from_dict(raw)
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = _int_tuple(json.loads(gen_path.read_text()).get("eos_token_id"))
+            if gen_eos:
+                config = replace(config, eos_token_ids=gen_eos)
+        return config
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    params.update(raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )

@@ -1,0 +1,48 @@
+"""Per-step inputs shared by every layer: positions, KV-cache slots, block tables.
+
+The runner builds one `StepContext` per step and the model passes it down to
+every layer — including to every linear layer, so that a layer swap which
+needs per-row data (LoRA's per-token adapter slot, to come) gets it from the
+same object instead of hidden module state.
+
+Row order inside a step (T = total scheduled tokens, no padding)::
+
+    rows [0, num_decodes)          one query token per decoding sequence
+    rows [num_decodes, T)          prefill chunks, one contiguous run per sequence
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's run of query rows that computes several tokens."""
+
+    start: int  # first row in the step
+    end: int  # one past the last row
+    num_computed: int  # tokens of this sequence already in the KV cache before the step
+    block_table: torch.Tensor  # [num_blocks] int64, covers num_computed + (end - start) tokens
+
+
+@dataclass(slots=True)
+class StepContext:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat slot = block_id * block_size + offset
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, n_kv, head_dim]
+    num_decodes: int
+    # Decode rows, batched: padded block tables and a key mask.
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Inputs of the Triton kernel (one program per query row), built only on CUDA.
+    token_seq_idx: torch.Tensor | None = None  # [T] int32, row -> sequence index
+    token_ctx_len: torch.Tensor | None = None  # [T] int32, keys visible to the row (pos + 1)
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    use_triton: bool = False
+    # Filled by the model once per step from `positions`.
+    cos: torch.Tensor | None = None  # [T, 1, head_dim // 2]
+    sin: torch.Tensor | None = None  # [T, 1, head_dim // 2]

@@ -1,0 +1,57 @@
+"""Typed errors of the runtime.
+
+Each error carries the wire error `code` (CONTRACT.md) that the batcher puts
+in the request's `error` event, so no caller has to map exception classes to
+codes. Errors about one request (`RequestError`) are raised when the request
+is added, before it can share a step with other requests.
+"""
+
+from __future__ import annotations
+
+
+class RuntimeErrorBase(Exception):
+    """Base of every error raised by `gpu_runtime`."""
+
+    code: str = "internal"
+
+
+class RequestError(RuntimeErrorBase):
+    """Something is wrong with one request; other requests are unaffected."""
+
+    code = "invalid_request"
+
+
+class InvalidRequestError(RequestError):
+    """Bad sampling parameters, empty prompt, token ids outside the vocabulary."""
+
+    code = "invalid_request"
+
+
+class ContextTooLongError(RequestError):
+    """The prompt does not fit the model's context or the KV cache."""
+
+    code = "context_too_long"
+
+
+class ModelLoadError(RuntimeErrorBase):
+    """The model directory is missing, incomplete or of an unsupported kind."""
+
+    code = "internal"
+
+
+class InsufficientMemoryError(RuntimeErrorBase):
+    """Weights + KV cache + activation reserve do not fit in device memory."""
+
+    code = "internal"
+
+
+class SchedulingError(RuntimeErrorBase):
+    """The step plan is inconsistent with the runtime's state (a batcher bug)."""
+
+    code = "internal"
+
+
+class OutOfBlocksError(SchedulingError):
+    """The plan needs more KV blocks than are free; nothing was changed."""
+
+    code = "overloaded"

@@ -1,0 +1,109 @@
+"""The Llama-architecture decoder (Llama, Mistral, Qwen2) in plain torch.
+
+Input is a flat, ragged batch of token rows (see `context.py`); there is no
+batch or padding dimension anywhere. Module and parameter names mirror
+Hugging Face's so a checkpoint loads with `load_state_dict(assign=True)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_runtime.attention import paged_attention, write_kv
+from gpu_runtime.config import ModelConfig
+from gpu_runtime.context import StepContext
+from gpu_runtime.layers import Linear, RMSNorm, apply_rope, rope_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.q_proj = Linear(config.hidden_size, q_size, bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        num_rows = x.shape[0]
+        q = self.q_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
+        v = self.v_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        kv = ctx.kv_caches[self.layer_idx]
+        write_kv(kv, k, v, ctx.slot_mapping)
+        out = paged_attention(q, k, v, kv, ctx, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_rows, -1), ctx)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(hidden, inter, bias)
+        self.up_proj = Linear(hidden, inter, bias)
+        self.down_proj = Linear(inter, hidden, bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, ctx)) * self.up_proj(x, ctx), ctx)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns hidden states; `compute_logits` the logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        # Not a parameter: built after loading, on the weights' device (see `init_rope`).
+        self.rope: torch.Tensor | None = None  # [max_len, 2, head_dim // 2] float32
+
+    def init_rope(self, max_len: int, device: torch.device | str) -> None:
+        self.rope = rope_cache(self.config.head_dim, self.config.rope, max_len).to(device)
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """input_ids: [T] -> hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rope[ctx.positions].to(x.dtype)  # [T, 2, D/2]
+        ctx.cos = cos_sin[:, 0:1]  # [T, 1, D/2]
+        ctx.sin = cos_sin[:, 1:2]
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden, ctx).float()

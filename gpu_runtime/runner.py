@@ -1,0 +1,129 @@
+"""The model runner: owns the model and the KV cache, turns scheduled work into tensors.
+
+It knows nothing of requests or sampling; `Runtime` hands it, per sequence,
+the tokens to compute and the block table, and gets back hidden states of the
+rows to sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.context import PrefillChunk, StepContext
+from gpu_runtime.model import CausalLM
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's work this step."""
+
+    token_ids: list[int]  # the tokens to compute
+    num_computed: int  # tokens already in the cache before this step
+    block_table: list[int]
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int
+    ) -> None:
+        config = model.config
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.block_size = block_size
+        self.use_triton = self.device.type == "cuda" and _triton_available()
+        model.init_rope(max_model_len, self.device)
+        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(config.num_layers)
+        ]
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def build_context(
+        self, seqs: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, StepContext, list[int]]:
+        """Decodes (one token) must come first in `seqs`.
+
+        Returns input ids [T], the context, and the row of each sequence's last token.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        dev = self.device
+        for s in seqs:
+            n, start = len(s.token_ids), s.num_computed
+            row = len(input_ids)
+            input_ids.extend(s.token_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(self._slots(s.block_table, start, start + n))
+            last_rows.append(row + n - 1)
+            if n == 1 and not prefills:
+                decode_tables.append(s.block_table)
+                decode_lens.append(start + 1)
+            else:
+                table = torch.tensor(s.block_table, dtype=torch.int64, device=dev)
+                prefills.append(PrefillChunk(row, row + n, start, table))
+        ctx = StepContext(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            kv_caches=self.kv_caches,
+            num_decodes=len(decode_tables),
+            prefills=prefills,
+            use_triton=self.use_triton,
+        )
+        if decode_tables:
+            self._add_decode_inputs(ctx, decode_tables, decode_lens)
+        if self.use_triton:
+            self._add_triton_inputs(ctx, seqs)
+        return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, last_rows
+
+    def _add_decode_inputs(
+        self, ctx: StepContext, tables: list[list[int]], lens: list[int]
+    ) -> None:
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        ctx.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        keys = torch.arange(max_blocks * self.block_size, device=self.device)
+        lens_t = torch.tensor(lens, device=self.device)
+        ctx.decode_mask = (keys[None, :] < lens_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
+
+    def _add_triton_inputs(self, ctx: StepContext, seqs: list[ScheduledSeq]) -> None:
+        max_blocks = max(len(s.block_table) for s in seqs)
+        padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        seq_idx = [i for i, s in enumerate(seqs) for _ in s.token_ids]
+        dev = self.device
+        ctx.block_tables = torch.tensor(padded, dtype=torch.int32, device=dev)
+        ctx.token_seq_idx = torch.tensor(seq_idx, dtype=torch.int32, device=dev)
+        ctx.token_ctx_len = (ctx.positions + 1).to(torch.int32)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[ScheduledSeq], rows_to_sample: list[int]) -> torch.Tensor:
+        """Compute `seqs`; return float32 logits [len(rows_to_sample), vocab].
+
+        `rows_to_sample` indexes `seqs`; those sequences' last rows are projected.
+        """
+        input_ids, ctx, last_rows = self.build_context(seqs)
+        hidden = self.model(input_ids, ctx)  # [T, hidden]
+        if not rows_to_sample:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        index = torch.tensor([last_rows[i] for i in rows_to_sample], device=self.device)
+        return self.model.compute_logits(hidden[index], ctx)

@@ -1,0 +1,284 @@
+"""`Runtime`: the object the batcher drives (see the package docstring for the API).
+
+It owns the sequences, the block manager and the model runner. Each call is
+check-then-act: a bad request is rejected by `add_sequence` before it can
+share a step; a bad plan raises before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu_runtime.block_manager import BlockManager, block_hash
+from gpu_runtime.config import ModelConfig
+from gpu_runtime.errors import (
+    ContextTooLongError,
+    InvalidRequestError,
+    OutOfBlocksError,
+    SchedulingError,
+)
+from gpu_runtime.fp8 import quantize_model_fp8
+from gpu_runtime.loader import load_model, resolve_dtype
+from gpu_runtime.planner import MemoryPlan, MemoryRequest, available_device_bytes, plan_memory
+from gpu_runtime.runner import ModelRunner, ScheduledSeq
+from gpu_runtime.sampling import make_batch, sample
+from gpu_runtime.sequence import (
+    SamplingParams,
+    SeqOutput,
+    Sequence,
+    SequenceStatus,
+    StepOutput,
+    StepPlan,
+)
+from gpu_runtime.stops import check_stop, load_tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's 16-bit dtype on CUDA
+    kv_cache_len: int = 32768  # tokens
+    block_size: int = 16
+    quantization: str = "none"  # "none" | "fp8"
+    max_model_len: int | None = None  # None: config.max_position_embeddings
+    memory_budget_bytes: int | None = None  # None: free device memory / available RAM
+    max_num_batched_tokens: int = 2048  # sizes the activation reserve only
+    max_num_seqs: int = 256
+    seed: int = 0  # of the shared generator used by unseeded requests
+
+
+def _default_dtype(config: ModelConfig, device: torch.device) -> str:
+    if device.type == "cpu":
+        return "float32"
+    return config.torch_dtype if config.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+class Runtime:
+    def __init__(self, model_path: str | Path, config: RuntimeConfig | None = None) -> None:
+        self.config = config = config or RuntimeConfig()
+        self.model_config = mc = ModelConfig.from_dir(model_path)
+        self.device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype or _default_dtype(mc, self.device))
+        request = MemoryRequest(
+            dtype=dtype,
+            kv_cache_len=config.kv_cache_len,
+            block_size=config.block_size,
+            quantization=config.quantization,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        available = config.memory_budget_bytes or available_device_bytes(self.device)
+        self.memory_plan: MemoryPlan = plan_memory(mc, request, available)
+        model = load_model(model_path, mc, dtype, self.device)
+        if config.quantization == "fp8":
+            quantize_model_fp8(model)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = self.memory_plan.num_blocks
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len)
+        self.tokenizer = load_tokenizer(model_path)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.sequences: dict[str, Sequence] = {}
+
+    # ---- queries --------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def num_cached_tokens(self, token_ids: Seq[int], adapter_key: str | None = None) -> int:
+        """Prompt tokens a request would find in the KV cache now. No side effects."""
+        return self.block_manager.num_cached_tokens(token_ids, adapter_key)
+
+    def num_blocks_needed(self, num_scheduled_tokens: dict[str, int]) -> int:
+        """New KV blocks a plan with these counts would take."""
+        bm = self.block_manager
+        return sum(
+            bm.num_blocks_needed(s.block_table, s.num_computed_tokens + n)
+            for s, n in ((self.sequences[i], n) for i, n in num_scheduled_tokens.items())
+        )
+
+    def can_schedule(self, num_scheduled_tokens: dict[str, int]) -> bool:
+        return self.block_manager.can_allocate(self.num_blocks_needed(num_scheduled_tokens))
+
+    def get_sequence(self, seq_id: str) -> Sequence:
+        return self.sequences[seq_id]
+
+    def check_invariants(self) -> None:
+        self.block_manager.check_invariants([s.block_table for s in self.sequences.values()])
+
+    # ---- sequence lifecycle -----------------------------------------------------------
+
+    def add_sequence(
+        self,
+        seq_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        adapter_key: str | None = None,
+    ) -> int:
+        """Validate and admit a request; returns its prompt tokens found in the cache.
+
+        Raises `InvalidRequestError` or `ContextTooLongError`; then nothing changed.
+        """
+        params = params or SamplingParams()
+        prompt = self._validate(seq_id, prompt_token_ids, params)
+        stops = set() if params.ignore_eos else set(self.model_config.eos_token_ids)
+        stops.update(params.stop_token_ids or ())
+        seq = Sequence(seq_id, prompt, len(prompt), params, adapter_key, frozenset(stops))
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.sequences[seq_id] = seq
+        seq.num_cached_prompt_tokens = self._take_cached_prefix(seq)
+        return seq.num_cached_prompt_tokens
+
+    def _validate(self, seq_id: str, token_ids: Seq[int], params: SamplingParams) -> list[int]:
+        if seq_id in self.sequences:
+            raise InvalidRequestError(f"sequence {seq_id!r} is already running")
+        prompt = [int(t) for t in token_ids]
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        if len(prompt) >= limit:
+            raise ContextTooLongError(
+                f"prompt has {len(prompt)} tokens; the limit is {limit - 1} "
+                f"(max_model_len={self.max_model_len}, kv_cache_len={self.kv_capacity_tokens})"
+            )
+        if params.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise InvalidRequestError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a model with tokenizer.json")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids or ()):
+            raise InvalidRequestError("stop_token_ids outside the vocabulary")
+        return prompt
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        bm = self.block_manager
+        seq.block_table = bm.allocate_prefix(seq.token_ids, seq.adapter_key)
+        seq.num_computed_tokens = len(seq.block_table) * bm.block_size
+        seq.block_hashes = bm.prefix_hashes(
+            seq.token_ids[: seq.num_computed_tokens], seq.adapter_key
+        )
+        return seq.num_computed_tokens
+
+    def remove_sequence(self, seq_id: str) -> bool:
+        """Drop a sequence (cancelled, timed out); its full blocks stay cached."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq.block_table)
+        return True
+
+    def preempt(self, seq_id: str) -> None:
+        """Free a sequence's blocks but keep its state; `resume` it later."""
+        seq = self.sequences[seq_id]
+        self.block_manager.free(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+
+    def resume(self, seq_id: str) -> int:
+        """Re-admit a preempted sequence; returns its tokens found in the cache."""
+        seq = self.sequences[seq_id]
+        if seq.status is not SequenceStatus.PREEMPTED:
+            raise SchedulingError(f"sequence {seq_id!r} is not preempted")
+        seq.status = SequenceStatus.RUNNING
+        return self._take_cached_prefix(seq)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def _check_plan(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        work = []
+        for seq_id, n in plan.num_scheduled_tokens.items():
+            seq = self.sequences.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                raise SchedulingError(f"sequence {seq_id!r} is not running")
+            if not 1 <= n <= seq.num_uncomputed:
+                raise SchedulingError(
+                    f"{seq_id!r}: {n} tokens scheduled, {seq.num_uncomputed} left"
+                )
+            work.append((seq, n))
+        needed = self.num_blocks_needed(plan.num_scheduled_tokens)
+        if not self.block_manager.can_allocate(needed):
+            raise OutOfBlocksError(
+                f"plan needs {needed} blocks, {self.block_manager.num_free_blocks} free"
+            )
+        work.sort(key=lambda w: w[1] != 1)  # decodes first (stable)
+        return work
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        work = self._check_plan(plan)
+        if not work:
+            return StepOutput([], {})
+        bm = self.block_manager
+        scheduled = []
+        for seq, n in work:
+            bm.append(seq.block_table, seq.num_computed_tokens + n)
+            start = seq.num_computed_tokens
+            scheduled.append(ScheduledSeq(seq.token_ids[start : start + n], start, seq.block_table))
+        to_sample = [i for i, (seq, n) in enumerate(work) if n == seq.num_uncomputed]
+        logits = self.runner.forward(scheduled, to_sample)  # [len(to_sample), vocab]
+        for seq, n in work:
+            seq.num_computed_tokens += n
+            self._cache_full_blocks(seq)
+        computed = {seq.seq_id: seq.num_computed_tokens for seq, _ in work}
+        sampled_seqs = [work[i][0] for i in to_sample]
+        outputs = self._sample_and_finish(sampled_seqs, logits)
+        kept = None
+        if plan.return_logits:
+            kept = {s.seq_id: logits[i] for i, s in enumerate(sampled_seqs)}
+        return StepOutput(outputs, computed, kept)
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        bm, bs = self.block_manager, self.block_manager.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(parent, tokens, seq.adapter_key)
+            bm.cache_block(seq.block_table[i], h, tokens)
+            seq.block_hashes.append(h)
+
+    def _sample_and_finish(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SeqOutput]:
+        if not seqs:
+            return []
+        params = [s.params for s in seqs]
+        batch = make_batch(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [s.generator for s in seqs],
+            logits.device,
+        )
+        token_ids = sample(logits, batch, self.generator).tolist()
+        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        outputs = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.token_ids.append(token_id)
+            reason, stop_reason = check_stop(seq, token_id, self.tokenizer, limit)
+            outputs.append(
+                SeqOutput(
+                    seq.seq_id,
+                    token_id,
+                    reason is not None,
+                    reason,
+                    stop_reason,
+                    seq.num_cached_prompt_tokens,
+                    seq.num_generated,
+                )
+            )
+            if reason is not None:
+                self.remove_sequence(seq.seq_id)
+        return outputs

@@ -1,0 +1,125 @@
+"""`sluice generate`: run a model directory locally, no Kafka, and print the tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import orjson
+import typer
+
+from sluice.cli.common import fail
+
+
+def _parse_ids(raw: str) -> list[int]:
+    try:
+        ids = [int(part) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        raise fail(f"--prompt-ids must be comma-separated integers, got {raw!r}", 2) from None
+    if not ids:
+        raise fail("--prompt-ids is empty", 2)
+    return ids
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("generate")
+    def generate_cmd(
+        model_path: Annotated[
+            Path, typer.Option("--model-path", help="Hugging Face model directory.")
+        ],
+        max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 16,
+        prompt_ids: Annotated[str | None, typer.Option("--prompt-ids", help="e.g. 1,2,3")] = None,
+        prompt: Annotated[
+            str | None, typer.Option("--prompt", help="Text; needs tokenizer.json.")
+        ] = None,
+        temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
+        top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+        top_k: Annotated[int, typer.Option("--top-k", min=0)] = 0,
+        seed: Annotated[int | None, typer.Option("--seed")] = None,
+        quantization: Annotated[str, typer.Option("--quantization", help="none | fp8")] = "none",
+        device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
+        dtype: Annotated[
+            str | None, typer.Option("--dtype", help="float32 | bfloat16 | float16")
+        ] = None,
+        tp: Annotated[int, typer.Option("--tp", min=1, help="Local ranks (only 1 for now).")] = 1,
+        adapter_path: Annotated[Path | None, typer.Option("--adapter-path")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ) -> None:
+        """Generate from a prompt with the local runtime and print the result."""
+        from gpu_runtime import RuntimeErrorBase
+
+        if (prompt_ids is None) == (prompt is None):
+            raise fail("give exactly one of --prompt-ids or --prompt", 2)
+        if not (model_path / "config.json").is_file():
+            raise fail(f"no model at {model_path} (config.json not found)", 2)
+        if tp != 1:
+            raise fail(
+                "--tp > 1 is not supported yet: tensor parallelism comes in a later release", 2
+            )
+        if adapter_path is not None:
+            raise fail("--adapter-path is not supported yet: LoRA comes in a later release", 2)
+        if quantization not in ("none", "fp8"):
+            raise fail(f"--quantization must be none or fp8, got {quantization!r}", 2)
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
+        try:
+            result = _generate(
+                model_path, prompt_ids, prompt, max_tokens, temperature, top_p, top_k, seed,
+                quantization, device, dtype,
+            )  # fmt: skip
+        except RuntimeErrorBase as exc:
+            raise fail(str(exc), 2) from None
+        if as_json:
+            typer.echo(orjson.dumps(result).decode())
+        else:
+            typer.echo(result["text"] if result["text"] is not None else result["token_ids"])
+
+
+def _generate(
+    model_path: Path,
+    prompt_ids: str | None,
+    prompt: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    quantization: str,
+    device: str,
+    dtype: str | None,
+) -> dict:
+    from gpu_runtime import ModelConfig, Runtime, RuntimeConfig, SamplingParams, StepPlan
+
+    config = ModelConfig.from_dir(model_path)
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    # Just enough KV cache for this one request, capped by the model's context.
+    wanted = (len(ids) if ids else 4 * len(prompt or "")) + max_tokens + 1
+    kv_len = min(wanted, config.max_position_embeddings)
+    rt = Runtime(
+        model_path,
+        RuntimeConfig(device=device, dtype=dtype, kv_cache_len=kv_len, quantization=quantization),
+    )
+    if ids is None:
+        if rt.tokenizer is None:
+            raise fail(f"--prompt needs {model_path}/tokenizer.json; use --prompt-ids", 2)
+        ids = rt.tokenizer.encode(prompt or "").ids
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    cached = rt.add_sequence("generate", ids, params)
+    plan = {"generate": len(ids) - cached}
+    generated: list[int] = []
+    while True:
+        out = rt.execute(StepPlan(plan)).outputs[0]
+        generated.append(out.token_id)
+        if out.finished:
+            break
+        plan = {"generate": 1}
+    text = rt.tokenizer.decode(generated) if rt.tokenizer is not None else None
+    return {
+        "token_ids": generated,
+        "text": text,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(generated),
+    }

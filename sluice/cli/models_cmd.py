@@ -1,0 +1,41 @@
+"""`sluice models ...`: the `models` command group and `make-tiny`.
+
+The control-plane subcommands (register, update, show, list) come from
+`registry_cmd.add_model_commands`; this module owns the group itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sluice.cli import registry_cmd
+from sluice.cli.common import fail
+
+
+def register(app: typer.Typer) -> None:
+    models = typer.Typer(help="Models: make a tiny one, register, configure.", no_args_is_help=True)
+    app.add_typer(models, name="models")
+    registry_cmd.add_model_commands(models)
+
+    @models.command("make-tiny")
+    def make_tiny_cmd(
+        directory: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
+        adapters: Annotated[
+            int, typer.Option("--adapters", min=0, help="LoRA adapters to write.")
+        ] = 0,
+        seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+    ) -> None:
+        """Write a small random-weight Llama model (Hugging Face format) with a tokenizer."""
+        from gpu_runtime.tiny import TinySpec, make_tiny_model
+
+        if adapters > 0:
+            raise fail(
+                "--adapters N > 0 is not supported yet: LoRA adapters come with the LoRA runtime", 2
+            )
+        if directory.exists() and not directory.is_dir():
+            raise fail(f"{directory} exists and is not a directory", 2)
+        out = make_tiny_model(directory, TinySpec(seed=seed))
+        typer.echo(f"wrote a tiny Llama model to {out}")

@@ -1,0 +1,74 @@
+"""Shared helpers: tiny random-weight HF checkpoints and runtime drivers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # peaky logits: greedy ties would make parity flaky
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_hf_checkpoint(path: Path, seed: int = 0, **overrides: object) -> tuple[Path, object]:
+    """Save a random LlamaForCausalLM (float32) to `path`; return (path, hf_model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**BASE, **overrides})
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # the norms init to exactly 1; perturb them so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path, model
+
+
+def hf_logits(hf_model: object, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab] float32 logits of the HF model on one sequence."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def greedy(max_tokens: int = 20) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_runtime(path: Path, **overrides: object) -> Runtime:
+    cfg = dict(kv_cache_len=4096, block_size=16, memory_budget_bytes=8 << 30)
+    return Runtime(path, RuntimeConfig(**{**cfg, **overrides}))
+
+
+def run_to_completion(
+    rt: Runtime, prompts: dict[str, list[int]], chunk: int = 8, params: SamplingParams | None = None
+) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Add all prompts, then step with prefill chunks of `chunk` tokens until all finish.
+
+    Returns per sequence its generated ids and the logits of each sampled step.
+    """
+    generated: dict[str, list[int]] = {s: [] for s in prompts}
+    logits: dict[str, list[torch.Tensor]] = {s: [] for s in prompts}
+    for seq_id, ids in prompts.items():
+        rt.add_sequence(seq_id, ids, params or greedy())
+    while rt.sequences:
+        plan = {s: min(chunk, q.num_uncomputed) for s, q in rt.sequences.items()}
+        out = rt.execute(StepPlan(plan, return_logits=True))
+        for o in out.outputs:
+            generated.setdefault(o.seq_id, []).append(o.token_id)
+            logits.setdefault(o.seq_id, []).append(out.logits[o.seq_id])
+        rt.check_invariants()
+    return generated, logits

@@ -1,0 +1,61 @@
+"""`sluice models make-tiny` + `sluice generate --json`, through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from sluice.cli import app
+
+
+def test_make_tiny_then_generate_json(tmp_path):
+    runner = CliRunner()
+    model = tmp_path / "tiny"
+    res = runner.invoke(app, ["models", "make-tiny", str(model)])
+    assert res.exit_code == 0, res.output
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (model / name).is_file()
+    res = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model-path",
+            str(model),
+            "--prompt",
+            "Hello world",
+            "--max-tokens",
+            "5",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["finish_reason"] in ("stop", "length")
+    assert 1 <= len(out["token_ids"]) <= 5
+    assert isinstance(out["text"], str)
+    if out["finish_reason"] == "length":
+        assert len(out["token_ids"]) == 5
+    args = ["generate", "--model-path", str(model), "--prompt-ids", "5,6,7", "--max-tokens", "4"]
+    seeded = [*args, "--temperature", "1.0", "--seed", "3", "--json"]
+    a, b = runner.invoke(app, seeded), runner.invoke(app, seeded)
+    assert a.exit_code == 0 and json.loads(a.stdout) == json.loads(b.stdout)
+    assert runner.invoke(app, [*args, "--quantization", "fp8", "--json"]).exit_code == 0
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    runner = CliRunner()
+    model = tmp_path / "tiny"
+    assert runner.invoke(app, ["models", "make-tiny", str(model)]).exit_code == 0
+    cases = [
+        ["--model-path", str(tmp_path / "missing"), "--prompt-ids", "1"],
+        ["--model-path", str(model), "--prompt-ids", "1,x"],
+        ["--model-path", str(model), "--prompt-ids", "1,100000"],
+        ["--model-path", str(model)],
+    ]
+    for extra in cases:
+        res = runner.invoke(app, ["generate", *extra])
+        assert res.exit_code == 2, (extra, res.output)
+        assert "Traceback" not in res.output
+    res = runner.invoke(app, ["models", "make-tiny", str(tmp_path / "x"), "--adapters", "2"])
+    assert res.exit_code == 2 and "not supported yet" in res.output
