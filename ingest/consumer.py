@@ -90,6 +90,9 @@ class RequestIngest:
 
     async def start(self) -> None:
         await self.consumer.start()
+        self.subscribe()
+
+    def subscribe(self) -> None:
         self.consumer.subscribe([self.settings.requests_topic(self.model)],
                                 listener=_Rebalance(self))
 
@@ -103,7 +106,8 @@ class RequestIngest:
             committed = await self.consumer._coordinator.fetch_committed_offsets([tp])
             meta = committed.get(tp)
             self.tracker.assign(tp, meta.metadata if meta is not None else None)
-        log.info("assigned %s", sorted(tp.partition for tp in assigned))
+            log.info("assigned partition %d (committed %s)", tp.partition,
+                     None if meta is None else f"{meta.offset} {meta.metadata}")
 
     async def on_revoked(self, revoked: list[TopicPartition]) -> None:
         await self._revoked_hook(revoked)

@@ -185,26 +185,48 @@ class Worker:
 
     async def _consume(self) -> None:
         assert self.ingest is not None
+        consumer = self.ingest.consumer
         paused = False
         while True:
             if self._reload.is_set():
                 await self._drain_and_reload()
+            if not self._serving.is_set():
+                await self._leave_group()
+                await self._serving.wait()
+                self.ingest.subscribe()
+                paused = False
             engine = self.engine
             assert engine is not None
-            full = engine.is_full() or not self._serving.is_set()
-            assignment = self.ingest.consumer.assignment()
+            full = engine.is_full()
+            assignment = consumer.assignment()
             if full and not paused and assignment:
-                self.ingest.consumer.pause(*assignment)
+                consumer.pause(*assignment)
                 paused = True
             elif not full and paused:
-                self.ingest.consumer.resume(*self.ingest.consumer.paused())
+                consumer.resume(*consumer.paused())
                 paused = False
             if paused:
                 # Paused partitions still heartbeat; poll so rebalances are served.
-                await self.ingest.consumer.getmany(timeout_ms=50)
+                await consumer.getmany(timeout_ms=50)
                 await asyncio.sleep(0.02)
                 continue
             await self.ingest.poll(max_records=256)
+
+    async def _leave_group(self) -> None:
+        """This pool left the model's placement: finish what we hold, then hand the
+        partitions to the workers of the pools that remain."""
+        assert self.ingest is not None
+        log.info("pool %s is no longer in the placement of %s: leaving the group",
+                 self.settings.pool, self.model)
+        deadline = time.monotonic() + 30
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.writer is not None:
+            await self.writer.flush()
+        await self.ingest.commit()
+        self.ingest.consumer.unsubscribe()
+        for tp in list(self.tracker.partitions):
+            self.tracker.revoke(tp)
 
     async def _submit(self, accepted: Accepted) -> None:
         assert self.writer is not None and self.runtime is not None and self.engine is not None
@@ -242,7 +264,8 @@ class Worker:
     async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
         """Partitions move away: finish their requests (bounded), else cancel them."""
         gone = set(revoked)
-        deadline = time.monotonic() + 20
+        started = time.monotonic()
+        deadline = started + 20
         while time.monotonic() < deadline and any(
             c.topic_partition in gone for c in self.in_flight.values()
         ):
@@ -253,6 +276,8 @@ class Worker:
                     self.engine.cancel(key)
         if self.ingest is not None:
             await self.ingest.commit()
+        log.info("partitions %s revoked; handed over after %.2f s",
+                 sorted(tp.partition for tp in gone), time.monotonic() - started)
 
     async def _drain_and_reload(self) -> None:
         assert self.engine is not None and self.ingest is not None and self.deployment

@@ -1,0 +1,106 @@
+"""Compute pools: placement decides who serves; losing a whole pool loses no request."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+import sluice
+from gpu_runtime.tiny import make_tiny_model
+from schemas import DoneEvent
+from sluice.settings import Settings
+from tests.integration.pipeline_helpers import worker_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def settings(endpoints, unique_name) -> Settings:
+    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                    database_url=endpoints.database_url, db_schema=unique_name,
+                    topic_prefix=unique_name, request_partitions=4)
+
+
+async def _drop_schema(settings: Settings) -> None:
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
+    await conn.close()
+
+
+async def _load(client: sluice.Client, key: str, count: int, max_tokens: int,
+                tag: str) -> list[DoneEvent]:
+    async def one(i: int) -> DoneEvent:
+        return await client.complete(model="tiny", api_key=key, session_id=f"{tag}-s{i}",
+                                     prompt=f"Request {i} of the load", max_tokens=max_tokens,
+                                     request_id=f"{tag}-{i}")
+
+    return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), 240)
+
+
+async def test_killing_every_worker_of_one_pool_loses_nothing(settings, tiny_model,
+                                                              tmp_path) -> None:
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(tiny_model),
+                           compute_config={"kv_cache_len": 8192},
+                           placement={"compute_pools": ["pool-1", "pool-2"]})
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    try:
+        with worker_process(settings, "tiny", tmp_path, pool="pool-1") as one, \
+                worker_process(settings, "tiny", tmp_path, pool="pool-2") as two:
+            # Both members hold partitions before the load starts.
+            for worker in (one, two):
+                await asyncio.to_thread(worker.wait_for_log, "assigned partition")
+            warm = await _load(client, key, 8, 2, "warm")
+            assert len(warm) == 8, one.log() + two.log()
+            load = asyncio.create_task(_load(client, key, 80, 400, "load"))
+            await asyncio.sleep(0.7)
+            one.kill(signal.SIGKILL)
+            done = await load
+            assert two.proc.poll() is None, two.log()
+            two_log = two.log()
+        assert {d.request_id for d in done} == {f"load-{i}" for i in range(80)}
+        assert all(d.finish_reason in ("stop", "length") for d in done)
+        retried = [d for d in done if d.attempt > 0]
+        # Whatever pool-1 held when it died was served again by pool-2.
+        assert retried, two_log
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
+
+
+async def test_placement_change_moves_traffic(settings, tiny_model, tmp_path) -> None:
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(tiny_model),
+                           compute_config={"kv_cache_len": 8192},
+                           placement={"compute_pools": ["pool-1"]})
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    try:
+        with worker_process(settings, "tiny", tmp_path, pool="pool-1") as one, \
+                worker_process(settings, "tiny", tmp_path, pool="pool-2") as two:
+            first = await _load(client, key, 6, 2, "before")
+            assert len(first) == 6, one.log()
+            load = asyncio.create_task(_load(client, key, 40, 24, "during"))
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(client.models.update, model="tiny",
+                                    placement={"compute_pools": ["pool-2"]})
+            during = await load
+            assert {d.request_id for d in during} == {f"during-{i}" for i in range(40)}
+            # Now only pool-2 serves: pool-1's worker stays up but idle.
+            after = await _load(client, key, 6, 2, "after")
+            assert len(after) == 6, two.log()
+            assert one.proc.poll() is None and two.proc.poll() is None
+            assert "no longer in the placement" in one.log()
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
