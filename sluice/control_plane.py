@@ -20,6 +20,7 @@ from aiokafka import AIOKafkaProducer
 from schemas import AdapterSpec, ComputeConfig, ModelDeployment, Placement, encode
 from schemas.names import NameError_, check_name
 from sluice import keys as api_keys
+from sluice.capacity import check_fits
 from sluice.db import create_pool, notify_channel
 from sluice.errors import (
     ConflictError,
@@ -100,6 +101,8 @@ class ControlPlane:
         deployment = ModelDeployment(model=model, revision=1, path=str(model_dir),
                                      compute_config=config, placement=place)
         self._validate(deployment)
+        async with self._pool.acquire() as conn:
+            await self._call(check_fits(conn, deployment), "checking worker capacity")
         async with TopicAdmin(self.settings) as admin:
             await admin.ensure([request_topic(self.settings, model, partitions)])
         async with self._pool.acquire() as conn:
@@ -230,6 +233,7 @@ class ControlPlane:
             updated = current.model_copy(update={**change(current),
                                                  "revision": current.revision + 1})
             self._validate(updated)
+            await self._call(check_fits(conn, updated), "checking worker capacity")
             await self._call(conn.execute(
                 "UPDATE models SET revision = $2, compute_config = $3, placement = $4, "
                 "updated_at = now() WHERE name = $1",

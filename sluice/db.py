@@ -49,6 +49,19 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (key_id, model, adapter)
     );
     """,
+    # 2: workers report where they run and how much device memory they have, so
+    # the control plane can refuse a compute config that would not fit.
+    """
+    CREATE TABLE workers (
+        instance_id text PRIMARY KEY,
+        model text NOT NULL,
+        pool text NOT NULL,
+        device text NOT NULL,
+        device_memory_bytes bigint NOT NULL,
+        started_at timestamptz NOT NULL DEFAULT now(),
+        last_seen timestamptz NOT NULL DEFAULT now()
+    );
+    """,
 ]
 
 _LOCK_ID = 0x51CE

@@ -19,6 +19,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+import asyncpg
 from aiokafka import TopicPartition
 
 from batcher import types as bt
@@ -26,6 +27,7 @@ from batcher.config import BatcherConfig
 from batcher.engine import Engine
 from batcher.types import Request
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
+from gpu_runtime.planner import available_device_bytes
 from ingest.consumer import Accepted, RequestIngest
 from ingest.offsets import OffsetTracker
 from ingest.permissions import PermissionChecker
@@ -33,6 +35,7 @@ from ingest.prompting import IncrementalDecoder, PromptBuilder
 from results.context import InFlight
 from results.writer import ResultWriter
 from schemas import ErrorCode, ModelDeployment, Timing
+from sluice.capacity import record_worker
 from sluice.db import create_pool
 from sluice.deployments import DeploymentWatcher
 from sluice.settings import Settings
@@ -86,6 +89,7 @@ class Worker:
         tasks: list[asyncio.Task[None]] = []
         try:
             await checker.start()
+            tasks.append(asyncio.create_task(self._heartbeat(pool)))
             await self.writer.start()
             await watcher.start(self._on_deployment)
             self.deployment = await watcher.wait_for_deployment(self.options.wait_for_model_s)
@@ -93,8 +97,8 @@ class Worker:
             await self._load(self.deployment)
             self.ingest = self._make_ingest(checker)
             await self.ingest.start()
-            tasks = [asyncio.create_task(c) for c in
-                     (self._consume(), self._pump_events(), self._commit_loop())]
+            tasks += [asyncio.create_task(c) for c in
+                      (self._consume(), self._pump_events(), self._commit_loop())]
             await self._stopping.wait()
         finally:
             await self._shutdown(tasks, watcher, checker, pool)
@@ -336,6 +340,20 @@ class Worker:
                       else "max_ttft_ms passed before the first token")
             await self.writer.timeout(ctx, event.waited_ms, reason)
         # Cancelled: no terminal event; the offset stays unfinished and is served again.
+
+    async def _heartbeat(self, pool: asyncpg.Pool) -> None:
+        """Tell the control plane where we run and how much memory a model may use."""
+        capacity = self.options.memory_budget_bytes or await asyncio.to_thread(
+            available_device_bytes, self.options.device)
+        while True:
+            try:
+                async with pool.acquire() as conn:
+                    await record_worker(conn, instance_id=self.instance_id, model=self.model,
+                                        pool=self.settings.pool, device=self.options.device,
+                                        device_memory_bytes=capacity)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("heartbeat to PostgreSQL failed: %s", exc)
+            await asyncio.sleep(5)
 
     async def _commit_loop(self) -> None:
         assert self.ingest is not None

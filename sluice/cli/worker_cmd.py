@@ -26,6 +26,9 @@ def register(app: typer.Typer) -> None:
         instance_id: Annotated[str | None, typer.Option(
             "--instance-id", help="Static group member id (default pool-host-replica).")] = None,
         max_batched_tokens: Annotated[int, typer.Option("--max-batched-tokens")] = 512,
+        memory_budget_gib: Annotated[float | None, typer.Option(
+            "--memory-budget-gib", help="Device memory the model may use (default: free).")]
+        = None,
         kafka_bootstrap: Annotated[str | None, typer.Option("--kafka-bootstrap")] = None,
         database_url: Annotated[str | None, typer.Option("--database-url")] = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
@@ -42,7 +45,9 @@ def register(app: typer.Typer) -> None:
                                  database_url=database_url)
         options = WorkerOptions(model=model, device=device, tp=tp, replica=replica,
                                 instance_id=instance_id,
-                                max_num_batched_tokens=max_batched_tokens)
+                                max_num_batched_tokens=max_batched_tokens,
+                                memory_budget_bytes=None if memory_budget_gib is None
+                                else int(memory_budget_gib * 2**30))
         worker = Worker(settings, options)
 
         async def main() -> None:

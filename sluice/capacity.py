@@ -1,0 +1,70 @@
+"""Will a compute config fit? The planner's answer for every live worker of a placement.
+
+Workers record their device and usable memory in PostgreSQL (a heartbeat);
+before the control plane stores a change it plans the model's memory for each
+live worker of the placement's pools and refuses the change, with the
+planner's message, if any of them could not load it. Workers that have not
+been seen for `LIVE_WINDOW_S` do not count.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from schemas import ModelDeployment
+from sluice.errors import InvalidConfigError
+
+LIVE_WINDOW_S = 60
+
+
+async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: str, pool: str,
+                        device: str, device_memory_bytes: int) -> None:
+    await conn.execute(
+        "INSERT INTO workers (instance_id, model, pool, device, device_memory_bytes) "
+        "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (instance_id) DO UPDATE SET "
+        "model = $2, pool = $3, device = $4, device_memory_bytes = $5, last_seen = now()",
+        instance_id, model, pool, device, device_memory_bytes,
+    )
+
+
+async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> None:
+    """Raise InvalidConfigError if a live worker of the placement could not load this."""
+    rows = await conn.fetch(
+        "SELECT instance_id, pool, device, device_memory_bytes FROM workers "
+        "WHERE model = $1 AND pool = ANY($2::text[]) "
+        "AND last_seen > now() - make_interval(secs => $3)",
+        deployment.model, list(deployment.placement.compute_pools), LIVE_WINDOW_S,
+    )
+    for row in rows:
+        problem = plan_problem(deployment, row["device"], row["device_memory_bytes"])
+        if problem is not None:
+            raise InvalidConfigError(
+                f"refused: worker {row['instance_id']} (pool {row['pool']}, {row['device']}) "
+                f"could not load this config. {problem}"
+            )
+
+
+def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int) -> str | None:
+    from gpu_runtime.config import ModelConfig
+    from gpu_runtime.errors import InsufficientMemoryError, ModelLoadError
+    from gpu_runtime.loader import resolve_dtype
+    from gpu_runtime.planner import MemoryRequest, plan_memory
+
+    cc = deployment.compute_config
+    try:
+        config = ModelConfig.from_dir(deployment.path)
+    except (OSError, ValueError, KeyError, ModelLoadError) as exc:
+        return f"the model at {deployment.path} cannot be read: {exc}"
+    if cc.dtype != "auto":
+        dtype = cc.dtype
+    elif device.startswith("cuda"):
+        dtype = config.torch_dtype if config.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+    else:
+        dtype = "float32"
+    request = MemoryRequest(dtype=resolve_dtype(dtype), kv_cache_len=cc.kv_cache_len, tp=cc.tp,
+                            quantization=cc.quantization)
+    try:
+        plan_memory(config, request, memory_bytes)
+    except (InsufficientMemoryError, ModelLoadError) as exc:
+        return str(exc)
+    return None

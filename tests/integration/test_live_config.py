@@ -1,0 +1,96 @@
+"""Changing a model's compute config and placement while it serves."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+import sluice
+from gpu_runtime.tiny import make_tiny_model
+from sluice.errors import InvalidConfigError
+from sluice.settings import Settings
+from tests.integration.pipeline_helpers import worker_process
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+def settings(endpoints, unique_name) -> Settings:
+    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                    database_url=endpoints.database_url, db_schema=unique_name,
+                    topic_prefix=unique_name, request_partitions=2)
+
+
+async def _terminal_counts(settings: Settings, expected: int) -> dict[str, int]:
+    import orjson
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(settings.topic("results"), auto_offset_reset="earliest",
+                                bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    counts: dict[str, int] = {}
+    try:
+        idle = 0
+        while idle < 4:
+            batch = await consumer.getmany(timeout_ms=500)
+            idle = 0 if batch else idle + 1
+            for records in batch.values():
+                for record in records:
+                    event = orjson.loads(record.value)
+                    if event["type"] in ("done", "error", "timeout"):
+                        counts[event["request_id"]] = counts.get(event["request_id"], 0) + 1
+    finally:
+        await consumer.stop()
+    return counts
+
+
+async def test_config_changes_under_load_end_every_request_once(settings, tmp_path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir),
+                           compute_config={"kv_cache_len": 4096})
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+
+    async def one(i: int) -> str:
+        async for event in client.stream(model="tiny", api_key=key, prompt=f"load {i}",
+                                         max_tokens=40, request_id=f"r-{i}"):
+            if event.type in ("done", "error", "timeout"):
+                return event.type
+        return "none"
+
+    try:
+        with worker_process(settings, "tiny", tmp_path,
+                            extra=["--memory-budget-gib", "0.05"]) as worker:
+            await asyncio.to_thread(worker.wait_for_log, "assigned partition")
+            load = [asyncio.create_task(one(i)) for i in range(60)]
+            await asyncio.sleep(0.5)
+            dep = await asyncio.to_thread(client.models.update_compute_config, model="tiny",
+                                          compute_config={"kv_cache_len": 8192})
+            assert dep.compute_config.kv_cache_len == 8192
+            await asyncio.to_thread(client.models.update, model="tiny",
+                                    placement={"max_ttft_ms": 30000})
+            # A config the worker's memory cannot hold is refused before any reload.
+            with pytest.raises(InvalidConfigError) as info:
+                await asyncio.to_thread(client.models.update_compute_config, model="tiny",
+                                        compute_config={"kv_cache_len": 10_000_000})
+            assert "insufficient memory" in str(info.value)
+            assert "kv_cache_len" in str(info.value)
+            more = [asyncio.create_task(one(100 + i)) for i in range(20)]
+            ends = await asyncio.wait_for(asyncio.gather(*load, *more), 180)
+            assert ends == ["done"] * 80, worker.log()
+            await asyncio.to_thread(worker.wait_for_log, "compute config changed")
+            assert client.models.show(model="tiny").compute_config.kv_cache_len == 8192
+        # On the wire, too: exactly one terminal event per request (no attempt was lost
+        # and none served twice to completion).
+        terminals = await _terminal_counts(settings, expected=80)
+        assert sorted(terminals) == sorted(f"r-{i}" for i in [*range(60), *range(100, 120)])
+        assert set(terminals.values()) == {1}
+    finally:
+        await client.aclose()
+        conn = await asyncpg.connect(settings.database_url)
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
+        await conn.close()
