@@ -212,3 +212,29 @@ def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_pat
     by_id = {o["custom_id"]: o for o in outputs}
     assert by_id["bad-1"]["error"]["code"] == "invalid_request"
     assert all(by_id[f"job-{i}"]["response"]["type"] == "done" for i in range(500))
+
+
+def test_chat_cli_holds_a_conversation(settings, tiny_model, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.pipeline_helpers import settings_env
+
+    client, key = _setup(settings, tiny_model)
+    client.close()
+    env = {**settings_env(settings), "SLUICE_API_KEY": key, "COLUMNS": "200"}
+    try:
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            result = subprocess.run(
+                [sys.executable, "-m", "sluice", "chat", "--model", "tiny", "--session", "c-1",
+                 "--max-tokens", "8"],
+                input="Hello river\nAnd after that?\n/exit\n", env=env, capture_output=True,
+                text=True, timeout=120,
+            )
+            assert result.returncode == 0, result.stdout + result.stderr + worker.log()
+    finally:
+        asyncio.run(_drop_schema(settings))
+    summaries = [line for line in result.stdout.splitlines() if "prompt tokens cached" in line]
+    assert len(summaries) == 2, result.stdout
+    assert " 0 prompt tokens cached" in summaries[0]
+    assert " 0 prompt tokens cached" not in summaries[1]  # turn 2 reuses turn 1's KV
