@@ -36,7 +36,10 @@ def request_topic(settings: Settings, model: str, partitions: int | None = None)
     return TopicSpec(
         settings.requests_topic(model),
         partitions or settings.request_partitions,
-        {"message.timestamp.type": "LogAppendTime"},
+        # Room for oversized requests to reach the worker and get a clear error
+        # (the worker's own limit is schemas.MAX_MESSAGE_BYTES) instead of a
+        # broker-side refusal the producer may not report well.
+        {"message.timestamp.type": "LogAppendTime", "max.message.bytes": str(16 * 1024 * 1024)},
     )
 
 
