@@ -8,6 +8,7 @@ and Java runs `kafka.Kafka`. Storage is formatted on first start.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
 import shutil
 import signal
@@ -177,7 +178,13 @@ async def _metadata_ok(servers: str, timeout_s: float) -> bool:
 
 
 def answers_metadata(servers: str, timeout_s: float = 3.0) -> bool:
-    return asyncio.run(_metadata_ok(servers, timeout_s))
+    """True if the broker answers a metadata request (callable from async code too)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_metadata_ok(servers, timeout_s))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, _metadata_ok(servers, timeout_s)).result()
 
 
 def up(cfg: InfraConfig, wait_s: float = 90.0) -> dict[str, object]:
@@ -207,13 +214,13 @@ def up(cfg: InfraConfig, wait_s: float = 90.0) -> dict[str, object]:
             start_new_session=True, cwd=paths["root"],
         )
     paths["pid"].write_text(f"{proc.pid}\n")
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        if port_answers(cfg.kafka_port) and answers_metadata(bootstrap(cfg)):
+    try:
+        if _wait_until_ready(cfg, proc, wait_s):
             return status(cfg)
-        time.sleep(0.5)
+    except BaseException:
+        stop_pid(proc.pid, signal.SIGTERM, 10)
+        paths["pid"].unlink(missing_ok=True)
+        raise
     exited = proc.poll() is not None
     if not exited:
         stop_pid(proc.pid, signal.SIGTERM, 10)
@@ -223,6 +230,17 @@ def up(cfg: InfraConfig, wait_s: float = 90.0) -> dict[str, object]:
         f"the Kafka broker {why}. Last lines of {paths['log']}:\n{tail(paths['log'])}\n"
         f"--- {paths['stdout']}:\n{tail(paths['stdout'], 10)}"
     )
+
+
+def _wait_until_ready(cfg: InfraConfig, proc: subprocess.Popen[bytes], wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if port_answers(cfg.kafka_port) and answers_metadata(bootstrap(cfg)):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def down(cfg: InfraConfig) -> bool:

@@ -123,8 +123,10 @@ class RequestIngest:
         ]
         # Note who started what before any work begins, so a crash past here is seen as one.
         await self.commit()
-        for record, attempt in zip(records, attempts, strict=True):
-            await self._handle(record, attempt)
+        # Handled concurrently: with the permission database away, one record may
+        # wait, and the others must still reach their own deadlines (a cache hit
+        # resolves at once, so in the normal case records keep their order).
+        await asyncio.gather(*(self._handle(r, a) for r, a in zip(records, attempts, strict=True)))
         self.num_records += len(records)
         return len(records)
 
@@ -194,6 +196,7 @@ class RequestIngest:
         auth = [v for k, v in record.headers if k.lower() == "authorization"]
         if len(auth) > 1:
             return False, "more than one authorization header"
+        waiting = False
         while True:
             try:
                 decision = await self.checker.check(auth[0] if auth else None, self.model,
@@ -202,7 +205,10 @@ class RequestIngest:
             except PermissionsUnavailable as exc:
                 if time.time() >= deadline:
                     return None
-                log.warning("waiting for the permission database: %s", exc)
+                if not waiting:
+                    log.warning("request %s waits for the permission database: %s",
+                                request.request_id, exc)
+                    waiting = True
                 await asyncio.sleep(0.5)
 
     async def _undecodable(self, record: ConsumerRecord, tp: TopicPartition,

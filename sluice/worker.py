@@ -17,6 +17,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -58,10 +59,16 @@ class WorkerOptions:
     wait_for_model_s: float = 600.0
 
 
+RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
+
+
 class Worker:
-    def __init__(self, settings: Settings, options: WorkerOptions):
+    def __init__(self, settings: Settings, options: WorkerOptions,
+                 runtime_factory: RuntimeFactory = Runtime):
         self.settings = settings
         self.options = options
+        # A seam for fault-injection tests: they wrap the runtime's `execute`.
+        self._runtime_factory = runtime_factory
         self.model = options.model
         self.instance_id = options.instance_id or (
             f"{settings.pool}-{socket.gethostname()}-{options.replica}"
@@ -142,7 +149,8 @@ class Worker:
 
     async def _load(self, dep: ModelDeployment) -> None:
         started = time.monotonic()
-        self.runtime = await asyncio.to_thread(Runtime, dep.path, self._runtime_config(dep))
+        self.runtime = await asyncio.to_thread(self._runtime_factory, dep.path,
+                                               self._runtime_config(dep))
         self.engine = Engine(self.runtime, BatcherConfig(
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             max_adapters_per_step=max(1, dep.compute_config.max_adapters),

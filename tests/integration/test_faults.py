@@ -1,0 +1,191 @@
+"""Faults: a request that breaks the model step, a broker restart, a database outage."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+import sluice
+from gpu_runtime import Runtime, StepOutput, StepPlan
+from gpu_runtime.tiny import make_tiny_model
+from sluice.errors import RequestError
+from sluice.settings import Settings
+from sluice.worker import Worker, WorkerOptions
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+POISON = 7  # a prompt holding this token id makes the injected fault fire
+
+
+class StepFault(RuntimeError):
+    """What a model step raises for one sequence (e.g. a kernel fault on its data)."""
+
+    def __init__(self, seq_id: str):
+        super().__init__(f"injected fault for {seq_id}")
+        self.seq_id = seq_id
+
+
+class FaultyRuntime(Runtime):
+    """The real runtime, whose step raises for any sequence whose prompt holds POISON."""
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        for seq_id in plan.num_scheduled_tokens:
+            if POISON in self.get_sequence(seq_id).token_ids[:8]:
+                raise StepFault(seq_id)
+        return super().execute(plan)
+
+
+@pytest.fixture
+def settings(endpoints, unique_name) -> Settings:
+    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                    database_url=endpoints.database_url, db_schema=unique_name,
+                    topic_prefix=unique_name, request_partitions=2)
+
+
+async def _drop_schema(url: str, schema: str) -> None:
+    conn = await asyncpg.connect(url)
+    await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    await conn.close()
+
+
+async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir))
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    worker = Worker(settings, WorkerOptions(model="tiny", instance_id="faulty-0"),
+                    runtime_factory=lambda path, cfg: FaultyRuntime(path, cfg))
+    task = asyncio.create_task(worker.run())
+    try:
+        async def healthy(i: int) -> int:
+            done = await client.complete(model="tiny", api_key=key, max_tokens=16,
+                                         prompt_token_ids=[11, 12, 13 + i])
+            return done.usage.completion_tokens
+
+        good = [asyncio.create_task(healthy(i)) for i in range(6)]
+        with pytest.raises(RequestError) as info:
+            await asyncio.wait_for(client.complete(
+                model="tiny", api_key=key, max_tokens=16, prompt_token_ids=[POISON, 12, 13]), 60)
+        assert info.value.code == "internal" and "injected fault" in str(info.value)
+        assert all(n >= 1 for n in await asyncio.wait_for(asyncio.gather(*good), 60))
+        assert not task.done()
+    finally:
+        worker.stop()
+        await task
+        await client.aclose()
+        await _drop_schema(settings.database_url, settings.db_schema)
+
+
+def _private_infra(tmp_path: Path, offset: int):
+    from infra.common import InfraConfig
+
+    return InfraConfig.from_env(state_dir=tmp_path / "infra", kafka_port=39292 + offset,
+                                kafka_controller_port=39293 + offset,
+                                postgres_port=39632 + offset)
+
+
+def _worker(settings: Settings, log: Path, model: str = "tiny") -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
+           "SLUICE_DATABASE_URL": str(settings.database_url),
+           "SLUICE_DB_SCHEMA": settings.db_schema, "SLUICE_TOPIC_PREFIX": settings.topic_prefix}
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--model", model],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def test_database_outage_delays_but_never_skips_the_check(endpoints, unique_name,
+                                                                  tmp_path) -> None:
+    from infra import postgres
+
+    cfg = _private_infra(tmp_path, 0)
+    url = str(postgres.up(cfg)["url"])
+    settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap, database_url=url,
+                        db_schema=unique_name, topic_prefix=unique_name, request_partitions=2)
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir))
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    client.close()
+    worker = _worker(settings, tmp_path / "worker.log")
+    try:
+        warm = await asyncio.wait_for(client.complete(
+            model="tiny", api_key=key, prompt="warm", max_tokens=2), 120)
+        assert warm.finish_reason in ("stop", "length")
+        assert postgres.down(cfg)
+        await asyncio.sleep(3)  # the worker notices and stops trusting its cache
+
+        patient = asyncio.create_task(client.complete(
+            model="tiny", api_key=key, prompt="I can wait", max_tokens=3, max_ttft_ms=60_000))
+        hasty = asyncio.create_task(client.complete(
+            model="tiny", api_key=key, prompt="I cannot", max_tokens=3, max_ttft_ms=2_000))
+        with pytest.raises(sluice.RequestTimeoutError):
+            await asyncio.wait_for(hasty, 30)
+        assert not patient.done()  # no first token without a permission check
+
+        postgres.up(cfg)
+        done = await asyncio.wait_for(patient, 60)
+        assert done.usage.completion_tokens >= 1
+        assert worker.poll() is None
+        log = (tmp_path / "worker.log").read_text()
+        assert "waits for the permission database" in log
+    finally:
+        _end(worker)
+        await client.aclose()
+        postgres.down(cfg)
+
+
+async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
+                                                       tmp_path) -> None:
+    from infra import kafka_broker
+
+    cfg = _private_infra(tmp_path, 1)
+    bootstrap = str((await asyncio.to_thread(kafka_broker.up, cfg))["bootstrap"])
+    settings = Settings(kafka_bootstrap=bootstrap, database_url=endpoints.database_url,
+                        db_schema=unique_name, topic_prefix=unique_name, request_partitions=2)
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir))
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    worker = _worker(settings, tmp_path / "worker.log")
+
+    async def one(i: int) -> str:
+        done = await client.complete(model="tiny", api_key=key, prompt=f"item {i}",
+                                     max_tokens=24, request_id=f"br-{i}")
+        return done.request_id
+
+    try:
+        await asyncio.wait_for(one(-1), 120)
+        first = [asyncio.create_task(one(i)) for i in range(20)]
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(kafka_broker.down, cfg)
+        later = [asyncio.create_task(one(i)) for i in range(20, 30)]  # sent while it is down
+        await asyncio.sleep(2)
+        await asyncio.to_thread(kafka_broker.up, cfg)
+        ids = await asyncio.wait_for(asyncio.gather(*first, *later), 240)
+        assert sorted(ids) == sorted(f"br-{i}" for i in range(30))
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        _end(worker)
+        await client.aclose()
+        kafka_broker.down(cfg)
+        await _drop_schema(endpoints.database_url, unique_name)
