@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from ingest.offsets import OffsetTracker
-from ingest.permissions import PermissionChecker, PermissionsUnavailable
+from ingest.permissions import Decision, PermissionChecker, PermissionsUnavailable
 from ingest.prompting import PromptBuilder, PromptError
 from results.writer import ResultWriter
 from schemas import ErrorCode, InferenceRequest, SchemaError, decode
@@ -175,13 +175,21 @@ class RequestIngest:
             return
         arrival = record.timestamp / 1000.0
         max_ttft_ms = min(request.max_ttft_ms or self.max_ttft_ms, self.max_ttft_ms)
-        allowed = await self._permission(record, request, arrival + max_ttft_ms / 1000)
-        if allowed is None:  # the database stayed away past the deadline
+        decision = await self._permission(record, request, arrival + max_ttft_ms / 1000)
+        if decision is None:  # the database stayed away past the deadline
             await self._submit(Accepted(request, tp, record.offset, attempt, reply_topic,
                                         arrival, max_ttft_ms, [], expired=True))
             return
-        if not allowed[0]:
-            await refuse(ErrorCode.UNAUTHORIZED, allowed[1])
+        if not decision.allowed:
+            await refuse(ErrorCode.UNAUTHORIZED, decision.reason)
+            return
+        prefix = decision.reply_topic_prefix
+        if prefix is not None and not reply_topic.startswith(prefix):
+            await self.writer.dead_letter(
+                tp=tp, offset=record.offset, topic=record.topic, partition=record.partition,
+                key=record.key, value=value,
+                reason=f"key {decision.key_id} may only use reply topics starting with "
+                f"{prefix!r}, not {reply_topic!r}")
             return
         try:
             token_ids = self.prompts.token_ids(request)
@@ -192,16 +200,15 @@ class RequestIngest:
                                     max_ttft_ms, token_ids))
 
     async def _permission(self, record: ConsumerRecord, request: InferenceRequest,
-                          deadline: float) -> tuple[bool, str] | None:
+                          deadline: float) -> Decision | None:
         auth = [v for k, v in record.headers if k.lower() == "authorization"]
         if len(auth) > 1:
-            return False, "more than one authorization header"
+            return Decision(False, "more than one authorization header")
         waiting = False
         while True:
             try:
-                decision = await self.checker.check(auth[0] if auth else None, self.model,
-                                                    request.adapter)
-                return decision.allowed, decision.reason
+                return await self.checker.check(auth[0] if auth else None, self.model,
+                                                request.adapter)
             except PermissionsUnavailable as exc:
                 if time.time() >= deadline:
                     return None

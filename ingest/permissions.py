@@ -34,6 +34,8 @@ class Decision:
     allowed: bool
     reason: str = ""
     key_id: str | None = None
+    # When set, the key may only name reply topics that start with this prefix.
+    reply_topic_prefix: str | None = None
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class _Entry:
     active: bool
     grants: frozenset[tuple[str, str]]
     expires: float
+    reply_topic_prefix: str | None = None
 
 
 @dataclass(slots=True)
@@ -80,7 +83,7 @@ class PermissionChecker:
         if wanted not in entry.grants:
             what = f"adapter {adapter!r} of model {model!r}" if adapter else f"model {model!r}"
             return Decision(False, f"key {entry.key_id} is not granted {what}", entry.key_id)
-        return Decision(True, key_id=entry.key_id)
+        return Decision(True, key_id=entry.key_id, reply_topic_prefix=entry.reply_topic_prefix)
 
     async def _entry(self, key: str) -> _Entry:
         # Keyed by a digest, so raw keys are not kept in memory longer than needed.
@@ -110,7 +113,8 @@ class PermissionChecker:
             async with asyncio.timeout(self.call_timeout_s):
                 async with self.pool.acquire() as conn:
                     row = await conn.fetchrow(
-                        "SELECT salt, secret_hash, revoked_at FROM api_keys WHERE key_id = $1",
+                        "SELECT salt, secret_hash, revoked_at, reply_topic_prefix FROM api_keys "
+                        "WHERE key_id = $1",
                         key_id,
                     )
                     grants = await conn.fetch(
@@ -123,6 +127,7 @@ class PermissionChecker:
         return _Entry(
             key_id, row["revoked_at"] is None,
             frozenset((g["model"], g["adapter"]) for g in grants), now + self.ttl_s,
+            row["reply_topic_prefix"],
         )
 
     def _on_notify(self, _conn: object, _pid: int, _channel: str, key_id: str) -> None:

@@ -85,8 +85,8 @@ class Adapters(_Section):
 
 
 class Keys(_Section):
-    def create(self, *, tenant: str) -> str:
-        return self._run("create_key", tenant)
+    def create(self, *, tenant: str, reply_topic_prefix: str | None = None) -> str:
+        return self._run("create_key", tenant, reply_topic_prefix)
 
     def grant(self, key: str, *, model: str, adapter: str | None = None) -> None:
         self._run("grant", key, model, adapter)

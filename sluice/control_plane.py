@@ -18,7 +18,7 @@ import pydantic
 from aiokafka import AIOKafkaProducer
 
 from schemas import AdapterSpec, ComputeConfig, ModelDeployment, Placement, encode
-from schemas.names import NameError_, check_name
+from schemas.names import NameError_, check_name, is_valid_topic
 from sluice import keys as api_keys
 from sluice.capacity import check_fits
 from sluice.db import create_pool, notify_channel
@@ -183,13 +183,18 @@ class ControlPlane:
 
     # -- keys and grants ----------------------------------------------------------------
 
-    async def create_key(self, tenant: str) -> str:
+    async def create_key(self, tenant: str, reply_topic_prefix: str | None = None) -> str:
+        """A new key. With `reply_topic_prefix`, its requests may only name reply topics
+        starting with it — pair it with Kafka ACLs so tenants cannot read each other's."""
         _check("tenant", tenant)
+        if reply_topic_prefix is not None and not is_valid_topic(reply_topic_prefix):
+            raise InvalidConfigError(f"invalid reply topic prefix {reply_topic_prefix!r}")
         new = api_keys.generate()
         async with self._pool.acquire() as conn:
             await self._call(conn.execute(
-                "INSERT INTO api_keys (key_id, tenant, salt, secret_hash) VALUES ($1, $2, $3, $4)",
-                new.key_id, tenant, new.salt, new.secret_hash,
+                "INSERT INTO api_keys (key_id, tenant, salt, secret_hash, reply_topic_prefix) "
+                "VALUES ($1, $2, $3, $4, $5)",
+                new.key_id, tenant, new.salt, new.secret_hash, reply_topic_prefix,
             ), "creating a key")
         return new.key
 

@@ -62,6 +62,10 @@ MIGRATIONS: list[str] = [
         last_seen timestamptz NOT NULL DEFAULT now()
     );
     """,
+    # 3: a tenant's keys may be bound to a reply-topic prefix (see infra/helm ACL notes).
+    """
+    ALTER TABLE api_keys ADD COLUMN reply_topic_prefix text;
+    """,
 ]
 
 _LOCK_ID = 0x51CE

@@ -141,10 +141,14 @@ def register(app: typer.Typer) -> None:
 
     @keys.command("create")
     @friendly_errors
-    def key_create_cmd(tenant: Annotated[str, typer.Option("--tenant")]) -> None:
+    def key_create_cmd(
+        tenant: Annotated[str, typer.Option("--tenant")],
+        reply_prefix: Annotated[str | None, typer.Option(
+            "--reply-prefix", help="Only allow reply topics starting with this.")] = None,
+    ) -> None:
         """Create an API key; prints the key alone (it is shown only once)."""
         with _client() as client:
-            typer.echo(client.keys.create(tenant=tenant))
+            typer.echo(client.keys.create(tenant=tenant, reply_topic_prefix=reply_prefix))
 
     @keys.command("grant")
     @friendly_errors

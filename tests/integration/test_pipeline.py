@@ -238,3 +238,31 @@ def test_chat_cli_holds_a_conversation(settings, tiny_model, tmp_path) -> None:
     assert len(summaries) == 2, result.stdout
     assert " 0 prompt tokens cached" in summaries[0]
     assert " 0 prompt tokens cached" not in summaries[1]  # turn 2 reuses turn 1's KV
+
+
+async def test_tenant_reply_topic_prefix_is_enforced(settings, tiny_model, tmp_path) -> None:
+    from sluice.topics import TopicAdmin, TopicSpec
+
+    client, _ = _setup(settings, tiny_model)
+    key = client.keys.create(tenant="acme", reply_topic_prefix=f"{settings.topic_prefix}-acme.")
+    client.keys.grant(key, model="tiny")
+    own = f"{settings.topic_prefix}-acme.replies"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(own, 2, {})])
+    try:
+        with worker_process(settings, "tiny", tmp_path):
+            done = await asyncio.wait_for(client.complete(
+                model="tiny", api_key=key, prompt="mine", max_tokens=2, reply_topic=own), 120)
+            assert done.usage.completion_tokens >= 1
+            # The shared results topic is off limits for this tenant's key.
+            stray = asyncio.create_task(client.complete(
+                model="tiny", api_key=key, prompt="theirs", max_tokens=2, request_id="stray-1"))
+            dead = await _read_until(settings, settings.topic("deadletter"), lambda rs: any(
+                b"stray-1" in decode(DeadLetterRecord, r.value).value() for r in rs))
+            reasons = [decode(DeadLetterRecord, r.value).reason for r in dead]
+            assert any("may only use reply topics starting with" in r for r in reasons)
+            assert not stray.done()
+            stray.cancel()
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
