@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SLUICE := $(VENV)/bin/sluice
 
-.PHONY: setup test test-fast lint demo infra-up infra-down bench-quick
+.PHONY: setup test test-soak test-fast lint demo infra-up infra-down
 
 setup:
 	bash infra/system-deps.sh
@@ -17,6 +17,10 @@ setup:
 test:
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# Ten minutes of steady load through the real broker (not in `make test`).
+test-soak:
+	$(PY) -m pytest -q -s -m soak tests/soak
 
 test-fast:
 	$(PY) -m pytest -q -m 'not integration and not slow'
