@@ -104,3 +104,39 @@ async def test_placement_change_moves_traffic(settings, tiny_model, tmp_path) ->
     finally:
         await client.aclose()
         await _drop_schema(settings)
+
+
+def _assigned(log: str) -> set[int]:
+    """The partitions of the latest assignment in a worker's log."""
+    import re
+
+    latest = log.rsplit("revoked;", 1)[-1]
+    return {int(m) for m in re.findall(r"assigned partition (\d+)", latest)}
+
+
+async def test_partitions_stay_with_a_restarted_replica(settings, tiny_model, tmp_path) -> None:
+    """KV affinity across restarts: static membership gives a restarted replica back
+    the partitions (and so the sessions) it had."""
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(tiny_model),
+                           compute_config={"kv_cache_len": 4096})
+    client.close()
+    try:
+        with worker_process(settings, "tiny", tmp_path, replica=0) as first, \
+                worker_process(settings, "tiny", tmp_path, replica=1) as other:
+            for worker in (first, other):
+                await asyncio.to_thread(worker.wait_for_log, "assigned partition")
+            await asyncio.sleep(3)  # let the group settle
+            before = _assigned(first.log())
+            before_other = _assigned(other.log())
+            first.kill(signal.SIGTERM)
+            with worker_process(settings, "tiny", tmp_path, replica=0) as again:
+                await asyncio.to_thread(again.wait_for_log, "assigned partition")
+                await asyncio.sleep(3)
+                after = _assigned(again.log())
+        assert before and after
+        assert after <= before | before_other
+        print(f"affinity: replica 0 held {sorted(before)}, after restart {sorted(after)}")
+        assert after == before
+    finally:
+        await _drop_schema(settings)
