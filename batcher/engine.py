@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import TracebackType
 
 from batcher.config import BatcherConfig
@@ -41,6 +42,16 @@ from batcher.types import Event, Request
 from gpu_runtime.sequence import StepOutput
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one executed step did, for metrics."""
+
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+    num_adapter_loads: int
 _IDLE_POLL_S = 0.05  # re-plan this often while requests wait on something other than us
 
 
@@ -52,8 +63,10 @@ class Engine:
         *,
         clock: Callable[[], float] = time.time,
         adapters: AdapterSlots | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         self.scheduler = Scheduler(runtime, config, clock=clock, adapters=adapters)
+        self._on_step = on_step
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._rt = runtime
         self._adapters = adapters
@@ -148,8 +161,10 @@ class Engine:
             if plan.step is None and not plan.adapters_to_load:
                 await self._sleep()
                 continue
+            started = time.perf_counter()
             try:
                 output = await loop.run_in_executor(self._executor, self._execute, plan)
+                self._report_step(plan, time.perf_counter() - started)
             except Exception as exc:
                 _log.warning("step failed: %s: %s", type(exc).__name__, exc)
                 self._emit(self.scheduler.fail_step(plan, exc))
@@ -160,6 +175,17 @@ class Engine:
                 except Exception as exc:
                     _log.exception("update failed; failing every unfinished request")
                     self._emit(self.scheduler.fail_all(exc))
+
+    def _report_step(self, plan: BatchPlan, seconds: float) -> None:
+        if self._on_step is None:
+            return
+        num_seqs = len(plan.step.num_scheduled_tokens) if plan.step is not None else 0
+        stats = StepStats(num_seqs, plan.num_scheduled_tokens, seconds,
+                          len(plan.adapters_to_load))
+        try:
+            self._on_step(stats)
+        except Exception:  # observability must never break serving
+            _log.exception("on_step callback failed")
 
     def _execute(self, plan: BatchPlan) -> StepOutput | None:
         """Runs in the worker thread: adapter loads between steps, then the step."""

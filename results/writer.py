@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
@@ -27,6 +28,7 @@ from schemas import (
     Usage,
     encode,
 )
+from sluice.metrics import WorkerMetrics
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,12 @@ OnFinished = Callable[[object, int], None]
 
 
 class ResultWriter:
-    def __init__(self, settings: Settings, on_finished: OnFinished, model: str):
+    def __init__(self, settings: Settings, on_finished: OnFinished, model: str,
+                 metrics: WorkerMetrics | None = None):
         self.settings = settings
         self.model = model
+        self.metrics = metrics
+        self._last_token_at: dict[str, float] = {}
         self._on_finished = on_finished
         self._producer = AIOKafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True, acks="all",
@@ -60,6 +65,14 @@ class ResultWriter:
 
     async def tokens(self, ctx: InFlight, token_ids: list[int]) -> None:
         text = ctx.decoder.push(token_ids)
+        if self.metrics is not None and token_ids:
+            self.metrics.add_generated_tokens(len(token_ids))
+            now = time.monotonic()
+            previous = self._last_token_at.get(ctx.request.request_id)
+            if previous is not None:
+                for _ in token_ids:
+                    self.metrics.observe_inter_token((now - previous) / len(token_ids))
+            self._last_token_at[ctx.request.request_id] = now
         if not ctx.request.stream:
             return
         event = TokenEvent(request_id=ctx.request.request_id, attempt=ctx.attempt,
@@ -82,11 +95,16 @@ class ResultWriter:
                         completion_tokens=len(token_ids)),
             timing=timing, model=self.model, adapter=adapter,
         )
+        if self.metrics is not None:
+            self.metrics.observe_ttft(timing.ttft_ms / 1000)
+            self.metrics.observe_prompt(ctx.num_prompt_tokens, num_cached_prompt_tokens)
+        self._observe_end(ctx.request.request_id, "done")
         await self._terminal(ctx, encode(event))
 
     async def error(self, ctx: InFlight, code: ErrorCode, message: str) -> None:
         event = ErrorEvent(request_id=ctx.request.request_id, attempt=ctx.attempt, code=code,
                            message=message)
+        self._observe_end(ctx.request.request_id, "error", code.value)
         await self._terminal(ctx, encode(event))
 
     async def timeout(self, ctx: InFlight, waited_ms: float, reason: str) -> None:
@@ -98,12 +116,14 @@ class ResultWriter:
             request=ctx.request.model_dump(mode="json"),
         )
         await self._send(self.settings.topic("timeouts"), event.request_id, encode(record))
+        self._observe_end(ctx.request.request_id, "timeout")
         await self._terminal(ctx, encode(event))
 
     async def error_without_context(self, *, tp: object, offset: int, reply_topic: str,
                                     request_id: str, code: ErrorCode, message: str) -> None:
         """An error for a record that never became an in-flight request."""
         event = ErrorEvent(request_id=request_id, code=code, message=message)
+        self._observe_end(request_id, "error", code.value)
         future = await self._producer.send(reply_topic, encode(event), key=request_id.encode())
         self._track(future, tp, offset)
 
@@ -111,9 +131,16 @@ class ResultWriter:
                           key: bytes | None, value: bytes, reason: str) -> None:
         record = DeadLetterRecord.of(reason=reason, topic=topic, partition=partition,
                                      offset=offset, key=key, value=value)
+        if self.metrics is not None:
+            self.metrics.observe_dead_letter()
         future = await self._producer.send(self.settings.topic("deadletter"), encode(record),
                                            key=key)
         self._track(future, tp, offset)
+
+    def _observe_end(self, request_id: str, kind: str, code: str | None = None) -> None:
+        self._last_token_at.pop(request_id, None)
+        if self.metrics is not None:
+            self.metrics.observe_terminal(kind, code)
 
     async def _terminal(self, ctx: InFlight, value: bytes) -> None:
         future = await self._producer.send(ctx.reply_topic, value,

@@ -25,7 +25,7 @@ from aiokafka import TopicPartition
 
 from batcher import types as bt
 from batcher.config import BatcherConfig
-from batcher.engine import Engine
+from batcher.engine import Engine, StepStats
 from batcher.types import Request
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
 from gpu_runtime.planner import available_device_bytes
@@ -39,6 +39,7 @@ from schemas import ErrorCode, ModelDeployment, Timing
 from sluice.capacity import record_worker
 from sluice.db import create_pool
 from sluice.deployments import DeploymentWatcher
+from sluice.metrics import MetricsServer, WorkerMetrics
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Worker:
             f"{settings.pool}-{socket.gethostname()}-{options.replica}"
         )
         self.tracker = OffsetTracker()
+        self.metrics = WorkerMetrics(options.model, settings.pool)
+        self.metrics_server: MetricsServer | None = None
         self.in_flight: dict[str, InFlight] = {}
         self.deployment: ModelDeployment | None = None
         self.runtime: Runtime | None = None
@@ -92,8 +95,9 @@ class Worker:
         pool = await create_pool(self.settings, max_size=4)
         checker = PermissionChecker(pool, self.settings.db_schema,
                                     call_timeout_s=self.settings.client.timeout_secs)
-        self.writer = ResultWriter(self.settings, self.tracker.finish, self.model)
+        self.writer = ResultWriter(self.settings, self.tracker.finish, self.model, self.metrics)
         tasks: list[asyncio.Task[None]] = []
+        self._serve_metrics()
         try:
             await checker.start()
             tasks.append(asyncio.create_task(self._heartbeat(pool)))
@@ -105,7 +109,9 @@ class Worker:
             self.ingest = self._make_ingest(checker)
             await self.ingest.start()
             tasks += [asyncio.create_task(c) for c in
-                      (self._consume(), self._pump_events(), self._commit_loop())]
+                      (self._consume(), self._pump_events(), self._commit_loop(),
+                       self._gauges())]
+            self.metrics.set_ready(True)
             await self._stopping.wait()
         finally:
             await self._shutdown(tasks, watcher, checker, pool)
@@ -115,6 +121,7 @@ class Worker:
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]], watcher: DeploymentWatcher,
                         checker: PermissionChecker, pool: object) -> None:
+        self.metrics.set_ready(False)
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(30):
@@ -135,6 +142,17 @@ class Worker:
         await watcher.stop()
         await checker.close()
         await pool.close()  # type: ignore[attr-defined]
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+
+    def _serve_metrics(self) -> None:
+        try:
+            self.metrics_server = self.metrics.serve(self.settings.metrics_port)
+        except OSError as exc:  # serving matters more than being scraped
+            log.error("metrics endpoint not started on port %d: %s",
+                      self.settings.metrics_port, exc)
+            return
+        log.info("metrics on port %d", self.metrics_server.port)
 
     # ---- deployment ------------------------------------------------------------------
 
@@ -154,7 +172,7 @@ class Worker:
         self.engine = Engine(self.runtime, BatcherConfig(
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             max_adapters_per_step=max(1, dep.compute_config.max_adapters),
-        ))
+        ), on_step=self._on_step)
         await self.engine.start()
         log.info("loaded %s (revision %d) in %.1f s", dep.model, dep.revision,
                  time.monotonic() - started)
@@ -239,6 +257,7 @@ class Worker:
         self.ingest.consumer.unsubscribe()
         for tp in list(self.tracker.partitions):
             self.tracker.revoke(tp)
+            self.metrics.forget_partition(tp.partition)
 
     async def _submit(self, accepted: Accepted) -> None:
         assert self.writer is not None and self.runtime is not None and self.engine is not None
@@ -294,6 +313,7 @@ class Worker:
     async def _drain_and_reload(self) -> None:
         assert self.engine is not None and self.ingest is not None and self.deployment
         self._reload.clear()
+        self.metrics.set_ready(False)
         log.info("compute config changed: draining %d requests", self.engine.num_unfinished)
         await self.engine.drain()
         await asyncio.sleep(0.1)
@@ -303,6 +323,7 @@ class Worker:
         await self.engine.stop()
         await self._load(self.deployment)
         self.num_reloads += 1
+        self.metrics.set_ready(True)
 
     # ---- events out ------------------------------------------------------------------
 
@@ -348,6 +369,27 @@ class Worker:
                       else "max_ttft_ms passed before the first token")
             await self.writer.timeout(ctx, event.waited_ms, reason)
         # Cancelled: no terminal event; the offset stays unfinished and is served again.
+
+    def _on_step(self, stats: StepStats) -> None:
+        self.metrics.observe_step(stats.num_seqs, stats.num_tokens, stats.seconds)
+        if stats.num_adapter_loads:
+            self.metrics.add_adapter_swaps(stats.num_adapter_loads)
+
+    async def _gauges(self) -> None:
+        """Queue, KV and consumer-lag gauges, once a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            engine, runtime, ingest = self.engine, self.runtime, self.ingest
+            if engine is None or runtime is None or ingest is None:
+                continue
+            self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
+            bm = runtime.block_manager
+            self.metrics.set_kv(bm.num_blocks - bm.num_free_blocks, bm.num_free_blocks)
+            for tp in ingest.consumer.assignment():
+                high = ingest.consumer.highwater(tp)
+                point = self.tracker.commit_point(tp)
+                if high is not None:
+                    self.metrics.set_lag(tp.partition, high - (point[0] if point else high))
 
     async def _heartbeat(self, pool: asyncpg.Pool) -> None:
         """Tell the control plane where we run and how much memory a model may use."""

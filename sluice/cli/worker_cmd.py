@@ -31,6 +31,9 @@ def register(app: typer.Typer) -> None:
         = None,
         kafka_bootstrap: Annotated[str | None, typer.Option("--kafka-bootstrap")] = None,
         database_url: Annotated[str | None, typer.Option("--database-url")] = None,
+        metrics_port: Annotated[int | None, typer.Option(
+            "--metrics-port", help="Prometheus port (SLUICE_METRICS_PORT; 0 = any free).")]
+        = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     ) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
@@ -42,7 +45,7 @@ def register(app: typer.Typer) -> None:
 
         setup_logging(log_level)
         settings = Settings.load(pool=pool, kafka_bootstrap=kafka_bootstrap,
-                                 database_url=database_url)
+                                 database_url=database_url, metrics_port=metrics_port)
         options = WorkerOptions(model=model, device=device, tp=tp, replica=replica,
                                 instance_id=instance_id,
                                 max_num_batched_tokens=max_batched_tokens,

@@ -45,6 +45,7 @@ def settings_env(settings: Settings, pool: str = "default") -> dict[str, str]:
         "SLUICE_DB_SCHEMA": settings.db_schema,
         "SLUICE_TOPIC_PREFIX": settings.topic_prefix,
         "SLUICE_POOL": pool,
+        "SLUICE_METRICS_PORT": "0",  # several workers share this host
     }
 
 

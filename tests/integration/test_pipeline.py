@@ -63,6 +63,18 @@ async def _read_until(settings: Settings, topic: str, found, timeout_s: float = 
     return out
 
 
+def _scrape(worker) -> str:
+    import re
+    import time
+    import urllib.request
+
+    worker.wait_for_log("metrics on port")
+    port = int(re.search(r"metrics on port (\d+)", worker.log()).group(1))
+    time.sleep(1.2)  # gauges refresh once a second
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
 async def test_multi_turn_session_reuses_the_kv_cache(settings, tiny_model, tmp_path) -> None:
     client, key = _setup(settings, tiny_model)
     try:
@@ -90,6 +102,10 @@ async def test_multi_turn_session_reuses_the_kv_cache(settings, tiny_model, tmp_
                              {"role": "user", "content": f"And then, part {turn}?"}]
             assert cached[0] == 0
             assert cached[1] > 0 and cached[2] > cached[1], cached
+            metrics = await asyncio.to_thread(_scrape, worker)
+            assert 'sluice_requests_total{model="tiny",pool="default",type="done"} 3.0' in metrics
+            assert "sluice_cached_prompt_tokens_total" in metrics
+            assert "sluice_consumer_lag" in metrics and "sluice_kv_blocks_free" in metrics
     finally:
         await client.aclose()
         await _drop_schema(settings)
