@@ -90,6 +90,9 @@ class Scheduler:
         self._outbox: list[Event] = []
         self._num_submitted = 0
         self._prefill_rate: float | None = None  # tokens / s, measured on busy steps
+        # Requests of a step that failed without naming a culprit: each runs alone
+        # until it either succeeds (cleared) or fails alone (it was the culprit).
+        self._suspects: set[str] = set()
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -185,7 +188,7 @@ class Scheduler:
         for event in events:
             self._forget(event.request_id)
         self._count_plan(builder)
-        plan = builder.scheduled
+        plan = self._isolate(builder.scheduled)
         return BatchPlan(
             StepPlan(dict(plan)) if plan else None,
             events,
@@ -194,8 +197,18 @@ class Scheduler:
             now,
         )
 
+    def _isolate(self, plan: dict[str, int]) -> dict[str, int]:
+        """While suspects remain, a step runs exactly one of them, alone."""
+        self._suspects &= self._states.keys()
+        for seq_id in plan:
+            if seq_id in self._suspects:
+                return {seq_id: plan[seq_id]}
+        return {k: n for k, n in plan.items() if k not in self._suspects}
+
     def update(self, plan: BatchPlan, output: StepOutput) -> list[Event]:
         """Apply a step's output; returns token and terminal events."""
+        if plan.step is not None:
+            self._suspects -= plan.step.num_scheduled_tokens.keys()
         now = self._clock()
         self._measure(plan, now)
         events: list[Event] = []
@@ -253,7 +266,16 @@ class Scheduler:
         if plan.step is not None and seq_id in plan.step.num_scheduled_tokens:
             state = self._states.get(seq_id)
             return self._fail([state] if state is not None else [], exc)
-        return self._fail([s for s in self._states.values() if s.in_runtime], exc)
+        scheduled = list(plan.step.num_scheduled_tokens) if plan.step is not None else []
+        if len(scheduled) > 1:
+            # No culprit named: the forward pass changed no bookkeeping, so every
+            # request of the step can run again — alone, to find the one that fails.
+            self._suspects.update(scheduled)
+            self.stats.num_isolated_failures += 1
+            return []
+        targets = [self._states[s] for s in scheduled if s in self._states]
+        self._suspects.difference_update(scheduled)
+        return self._fail(targets, exc)
 
     def fail_all(self, exc: BaseException) -> list[Event]:
         """The scheduler itself failed: end every unfinished request with `internal`."""

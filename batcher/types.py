@@ -137,3 +137,4 @@ class SchedulerStats:
     num_errors: int = 0
     num_cancelled: int = 0
     max_adapters_in_step: int = 0
+    num_isolated_failures: int = 0  # steps that failed without naming a culprit

@@ -99,6 +99,7 @@ class FakeRuntime:
         self.plans: list[dict[str, int]] = []
         self.fail_seq: str | None = None  # raise StepFailure for it once
         self.fail_step = False  # raise a step-wide error once
+        self.poison: str | None = None  # raise a step-wide error whenever it is in a step
 
     def num_cached_tokens(self, token_ids: Seq[int], adapter_key: str | None = None) -> int:
         return self.block_manager.num_cached_tokens(token_ids, adapter_key)
@@ -178,6 +179,8 @@ class FakeRuntime:
         if self.fail_step:
             self.fail_step = False
             raise RuntimeError("injected device failure")
+        if self.poison in counts:
+            raise RuntimeError("injected fault on one request's data")
         self.plans.append(dict(counts))
         self.clock.advance(self.cost.step_s + self.cost.token_s * sum(counts.values()))
         outputs, computed = [], {}

@@ -230,14 +230,28 @@ def test_step_failure_of_one_request_spares_the_others() -> None:
     rt.check_no_leaks()
 
 
-def test_whole_step_failure_fails_running_and_keeps_waiting() -> None:
+def test_transient_step_failure_is_retried_in_isolation() -> None:
     clock, rt, sched, trace = setup(max_num_seqs=2)
     for i in range(4):
         sched.submit(make_request(f"r{i}", prompt(i, 5), arrival=clock.now + i * 1e-3))
     rt.fail_step = True
     run_until_idle(sched, rt, trace)
     ends = {r: type(trace.terminal(r)) for r in ("r0", "r1", "r2", "r3")}
-    assert ends == {"r0": ErrorEvent, "r1": ErrorEvent, "r2": DoneEvent, "r3": DoneEvent}
+    assert ends == dict.fromkeys(("r0", "r1", "r2", "r3"), DoneEvent)
+    assert sched.stats.num_isolated_failures == 1
+    assert not rt.sequences
+
+
+def test_step_failure_without_culprit_finds_the_culprit() -> None:
+    clock, rt, sched, trace = setup(max_num_seqs=4)
+    for i in range(4):
+        sched.submit(make_request(f"r{i}", prompt(i, 5), arrival=clock.now + i * 1e-3))
+    rt.poison = "r2"
+    run_until_idle(sched, rt, trace)
+    ends = {r: type(trace.terminal(r)) for r in ("r0", "r1", "r2", "r3")}
+    assert ends == {"r0": DoneEvent, "r1": DoneEvent, "r2": ErrorEvent, "r3": DoneEvent}
+    assert trace.terminal("r2").code == "internal"
+    assert sched.stats.num_isolated_failures >= 1
     assert not rt.sequences
 
 
