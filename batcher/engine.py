@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 from batcher.config import BatcherConfig
 from batcher.errors import EngineClosedError
@@ -42,6 +43,7 @@ from batcher.types import Event, Request
 from gpu_runtime.sequence import StepOutput
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,14 @@ class Engine:
         found = self.scheduler.cancel(request_id)
         self._wakeup.set()
         return found
+
+    async def run_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the step thread, so it never overlaps a step (e.g. loading
+        an adapter's weights into host memory, or dropping one)."""
+        if self._executor is None:
+            return fn()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn)
 
     async def next_event(self) -> Event:
         return await self.events.get()
