@@ -38,19 +38,45 @@ API (`Runtime`):
 - `get_sequence(seq_id) -> Sequence`, `sequences`, `tokenizer`, `memory_plan`,
   `block_manager`, `check_invariants()`
 
+Multi-LoRA (PEFT adapters on one backbone, batched together in every step)::
+
+    rt = Runtime("models/tiny", RuntimeConfig(max_adapters=4, max_lora_rank=64))
+    info = rt.register_adapter("support-bot", "models/tiny/adapters/adapter-0")
+    rt.add_sequence("r-2", prompt_ids, params, adapter_key="support-bot")
+
+- `RuntimeConfig.max_adapters` (default 4): device slots; `0` disables LoRA (no layer
+  swap). `max_lora_rank` (default 64): slot capacity, higher ranks are refused.
+- `register_adapter(name, path) -> AdapterInfo` validates the PEFT directory against the
+  model (raises `AdapterError`, code `invalid_request`, naming the tensor, expected and
+  actual shape) and keeps its weights in host memory; any number may be registered.
+  `unregister_adapter(name) -> bool` (refused while a sequence uses it).
+- `rt.adapters` is the batcher's `AdapterSlots`: `resident_adapters() -> frozenset[str]`,
+  `load_adapters(wanted, in_use)` swaps adapters in LRU order between steps, never
+  evicting one in `in_use`. `execute` also makes a plan's adapters resident itself
+  (`SchedulingError` if a plan uses more adapters than slots); `add_sequence` with an
+  unregistered `adapter_key` raises `InvalidRequestError`.
+- `rt.num_adapter_swaps` (loads that evicted a resident adapter),
+  `rt.adapters.num_adapter_loads`.
+- `gpu_runtime.lora_format.validate_adapter_dir(model_dir, adapter_dir, max_lora_rank)
+  -> AdapterInfo` checks an adapter without loading anything (config.json + headers).
+- KV blocks are keyed by the adapter name (`None` = base): adapters never share KV.
+
 Errors (`gpu_runtime.errors`) carry the wire `code`: `InvalidRequestError`
 (`invalid_request`), `ContextTooLongError` (`context_too_long`),
 `InsufficientMemoryError` (from the planner at load), `ModelLoadError`,
-`SchedulingError` / `OutOfBlocksError` (a plan that does not fit the state).
+`SchedulingError` / `OutOfBlocksError` (a plan that does not fit the state),
+`AdapterError` (`invalid_request`, a bad or mismatched adapter).
 
 Layer swaps: every projection is a `layers.Linear` with `forward(x, ctx)`;
-`quantization="fp8"` swaps in `fp8.FP8Linear`; LoRA and tensor-parallel
-linears plug in the same way, reading per-row data from the `StepContext`.
+`quantization="fp8"` swaps in `fp8.FP8Linear`; `lora.LoraLinear` wraps either
+(the LoRA delta on top of the FP8 base), reading each row's adapter slot from
+`StepContext.lora`; tensor-parallel linears will plug in the same way.
 """
 
 from gpu_runtime.block_manager import BlockManager, block_hash
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import (
+    AdapterError,
     ContextTooLongError,
     InsufficientMemoryError,
     InvalidRequestError,
@@ -60,6 +86,7 @@ from gpu_runtime.errors import (
     RuntimeErrorBase,
     SchedulingError,
 )
+from gpu_runtime.lora_format import AdapterInfo, validate_adapter_dir
 from gpu_runtime.planner import MemoryPlan, MemoryRequest, plan_memory
 from gpu_runtime.runtime import Runtime, RuntimeConfig
 from gpu_runtime.sequence import (
@@ -72,6 +99,8 @@ from gpu_runtime.sequence import (
 )
 
 __all__ = [
+    "AdapterError",
+    "AdapterInfo",
     "BlockManager",
     "ContextTooLongError",
     "InsufficientMemoryError",
@@ -94,4 +123,5 @@ __all__ = [
     "StepPlan",
     "block_hash",
     "plan_memory",
+    "validate_adapter_dir",
 ]

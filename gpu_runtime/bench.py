@@ -9,10 +9,15 @@ large tensor copy) and matmul FLOP/s at the decode shapes. Fractions:
     batch-B decode   2 * params * B * steps/s  /  matmul FLOP/s at [B, hidden] shapes
 
 Quick mode uses 4 of the 30 layers and fewer steps (said in the result).
+
+`bench_adapters(device, quick)` measures multi-LoRA decode: one batch spread
+over 4 rank-16 adapters (all seven projections) vs the same batch on one
+adapter vs the base model, in one runtime, rounds interleaved, best of each.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,8 +57,6 @@ def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
 
 
 def _write_model(config: dict, out: Path) -> None:
-    import json
-
     save_file(random_llama_weights(config, seed=0), str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config))
 
@@ -147,7 +150,7 @@ def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
         _write_model(config, path)
         rt = Runtime(path, RuntimeConfig(device=device, dtype="float32", kv_cache_len=64 * 256))
         linear_params = sum(
-            p.numel() for n, p in rt.model.named_parameters() if n.endswith("proj.weight")
+            p.numel() for n, p in rt.model.named_parameters() if "proj." in n and "weight" in n
         )
         step_params = linear_params + config["vocab_size"] * config["hidden_size"]  # + LM head
         limits = _machine_limits(
@@ -175,13 +178,97 @@ def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
     }
 
 
+def _write_adapters(model_dir: Path, out_root: Path, n: int, rank: int) -> list[Path]:
+    from gpu_runtime.config import ModelConfig
+    from gpu_runtime.lora_format import CONFIG_FILE, PROJECTIONS, WEIGHTS_FILE, projection_shape
+
+    config = ModelConfig.from_dir(model_dir)
+    paths = []
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        state = {}
+        for layer, proj in ((li, p) for li in range(config.num_layers) for p in PROJECTIONS):
+            group = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{group}.{proj}"
+            out_f, in_f = projection_shape(config, proj)
+            state[prefix + ".lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * 0.02
+            state[prefix + ".lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * 0.02
+        path = out_root / f"adapter-{i}"
+        path.mkdir()
+        save_file(state, str(path / WEIGHTS_FILE))
+        cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}
+        cfg["target_modules"] = list(PROJECTIONS)
+        (path / CONFIG_FILE).write_text(json.dumps(cfg))
+        paths.append(path)
+    return paths
+
+
+def _adapter_decode_tps(
+    rt: Runtime, keys: list[str | None], steps: int, sync: Callable[[], None]
+) -> float:
+    """Decode tokens/s of one batch, sequence i on adapter keys[i]."""
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    for i, (p, key) in enumerate(zip(_prompts(len(keys), 49152), keys, strict=True)):
+        p[0] = i + len(keys) * hash(tuple(keys)) % 1000  # no prefix hits across modes
+        rt.add_sequence(f"a{i}", p, params, adapter_key=key)
+    rt.execute(StepPlan({s: q.num_uncomputed for s, q in rt.sequences.items()}))
+    ids = list(rt.sequences)
+    rt.execute(StepPlan(dict.fromkeys(ids, 1)))  # warm-up
+
+    def run() -> None:
+        for _ in range(steps):
+            rt.execute(StepPlan(dict.fromkeys(ids, 1)))
+
+    seconds = _timed(run, sync)
+    for s in ids:
+        rt.remove_sequence(s)
+    return len(keys) * steps / seconds
+
+
+def bench_adapters(device: str = "cpu", quick: bool = True) -> dict:
+    """Decode tokens/s: batch over 4 adapters vs 1 adapter vs base; returns a JSON-able dict."""
+    config = dict(SMOLLM_135M, num_hidden_layers=4 if quick else 30)
+    steps, batch, rounds = (8, 16, 3) if quick else (16, 64, 3)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    modes: dict[str, list[str | None]] = {
+        "base": [None] * batch,
+        "1_adapter": ["adapter-0"] * batch,
+        "4_adapters": [f"adapter-{i % 4}" for i in range(batch)],
+    }
+    best = dict.fromkeys(modes, 0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        _write_model(config, path)
+        adapter_root = path / "adapters"
+        adapter_root.mkdir()
+        rt = Runtime(path, RuntimeConfig(
+            device=device, dtype="float32", kv_cache_len=batch * 256,
+            max_adapters=4, max_lora_rank=16,
+        ))  # fmt: skip
+        for p in _write_adapters(path, adapter_root, 4, rank=16):
+            rt.register_adapter(p.name, p)
+        for _ in range(rounds):
+            for mode, keys in modes.items():
+                best[mode] = max(best[mode], _adapter_decode_tps(rt, keys, steps, sync))
+    return {
+        "device": device,
+        "quick": quick,
+        "note": (
+            "quick mode: 4 of 30 layers, batch 16, 8 decode steps"
+            if quick
+            else "full model, batch 64, 16 decode steps"
+        ),
+        "batch": batch,
+        "rank": 16,
+        "decode_tokens_s": best,
+        "4_adapters_vs_1": best["4_adapters"] / best["1_adapter"],
+        "1_adapter_vs_base": best["1_adapter"] / best["base"],
+    }
+
+
 if __name__ == "__main__":
-    import json
     import sys
 
-    print(
-        json.dumps(
-            bench_runtime(sys.argv[1] if len(sys.argv) > 1 else "cpu", "--full" not in sys.argv),
-            indent=2,
-        )
-    )
+    bench = bench_adapters if "--adapters" in sys.argv else bench_runtime
+    device = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else "cpu"
+    print(json.dumps(bench(device, "--full" not in sys.argv), indent=2))

@@ -2,7 +2,7 @@
 
 The runner builds one `StepContext` per step and the model passes it down to
 every layer — including to every linear layer, so that a layer swap which
-needs per-row data (LoRA's per-token adapter slot, to come) gets it from the
+needs per-row data (LoRA's per-row adapter slot, `LoraBatch`) gets it from the
 same object instead of hidden module state.
 
 Row order inside a step (T = total scheduled tokens, no padding)::
@@ -29,6 +29,31 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class LoraBatch:
+    """The adapter slot of every row; built only for steps where some row has an adapter.
+
+    Runs of rows with one slot are segments (decodes are sorted by slot, a
+    prefill chunk is one run)::
+
+        row_slots   [ 2  2  0 | -1 | 1  1  1  1 ]     decodes | decode | prefill chunk
+        seg_starts  [ 0     2   3    4          8 ]
+        seg_slots   [ 2     0  -1    1 ]
+    """
+
+    row_slots: torch.Tensor  # [T] int32, -1 = base model
+    # Torch path: only the rows with an adapter, against the contiguous slot range used.
+    rows: torch.Tensor | None  # [N] int64; None when all T rows have an adapter
+    slot_lo: int  # the step's slots lie in [slot_lo, slot_lo + num_slots)
+    num_slots: int
+    onehot: torch.Tensor | None  # [N, num_slots, 1] model dtype; None when num_slots == 1
+    # Triton path (CUDA): the segments.
+    seg_starts: torch.Tensor  # [num_segs + 1] int32
+    seg_slots: torch.Tensor  # [num_segs] int32
+    max_seg_len: int
+    use_triton: bool = False
+
+
+@dataclass(slots=True)
 class StepContext:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, flat slot = block_id * block_size + offset
@@ -43,6 +68,7 @@ class StepContext:
     token_ctx_len: torch.Tensor | None = None  # [T] int32, keys visible to the row (pos + 1)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     use_triton: bool = False
+    lora: LoraBatch | None = None  # None: no row uses an adapter, LoRA is skipped
     # Filled by the model once per step from `positions`.
     cos: torch.Tensor | None = None  # [T, 1, head_dim // 2]
     sin: torch.Tensor | None = None  # [T, 1, head_dim // 2]

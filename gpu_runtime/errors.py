@@ -55,3 +55,9 @@ class OutOfBlocksError(SchedulingError):
     """The plan needs more KV blocks than are free; nothing was changed."""
 
     code = "overloaded"
+
+
+class AdapterError(RequestError):
+    """A LoRA adapter is missing, malformed, or does not fit the base model / the slots."""
+
+    code = "invalid_request"

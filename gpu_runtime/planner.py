@@ -9,6 +9,7 @@ All sizes are per device (per GPU of a tensor-parallel group of `tp`):
               per token, for kv_cache_len tokens, in ceil(kv_cache_len / block_size) blocks
     reserve   activations of one step of `max_num_batched_tokens` tokens and the
               sampler's float32 logits for `max_num_seqs` rows
+    LoRA      max_adapters slots of rank max_lora_rank: A and B of all seven projections
 
 The planner never shrinks anything to fit: it raises `InsufficientMemoryError`
 with the breakdown and the changes that would fit.
@@ -38,6 +39,8 @@ class MemoryRequest:
     quantization: str = "none"  # "none" | "fp8"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    max_adapters: int = 0  # LoRA slots
+    max_lora_rank: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +53,16 @@ class MemoryPlan:
     num_blocks: int
     kv_cache_bytes: int
     activation_reserve_bytes: int
+    lora_slot_bytes: int = 0
 
     @property
     def needed_bytes(self) -> int:
-        return self.weight_bytes + self.kv_cache_bytes + self.activation_reserve_bytes
+        return (
+            self.weight_bytes
+            + self.kv_cache_bytes
+            + self.activation_reserve_bytes
+            + self.lora_slot_bytes
+        )
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -93,6 +102,17 @@ def weight_bytes_per_device(config: ModelConfig, req: MemoryRequest) -> int:
     return config.num_layers * per_layer + heads * vocab_shard + h * dt
 
 
+def lora_slot_bytes(config: ModelConfig, req: MemoryRequest) -> int:
+    """Stacked A and B of every LoRA slot, rank max_lora_rank, for all seven projections."""
+    h, d, tp = config.hidden_size, config.head_dim, req.tp
+    q_out = config.num_heads * d // tp
+    kv_out = _kv_heads_per_device(config, tp) * d
+    inter = -(-config.intermediate_size // tp)
+    in_plus_out = 7 * h + 2 * q_out + 2 * kv_out + 3 * inter  # sum of in + out
+    per_slot = req.max_lora_rank * in_plus_out * _dtype_bytes(req.dtype)
+    return config.num_layers * req.max_adapters * per_slot
+
+
 def kv_bytes_per_token(config: ModelConfig, req: MemoryRequest) -> int:
     per_layer = 2 * _kv_heads_per_device(config, req.tp) * config.head_dim
     return config.num_layers * per_layer * _dtype_bytes(req.dtype)
@@ -125,6 +145,7 @@ def plan_for(config: ModelConfig, req: MemoryRequest, available_bytes: int) -> M
         num_blocks=num_blocks,
         kv_cache_bytes=num_blocks * req.block_size * per_token,
         activation_reserve_bytes=activation_reserve_bytes(config, req),
+        lora_slot_bytes=lora_slot_bytes(config, req),
     )
 
 
@@ -145,7 +166,8 @@ def _explain(config: ModelConfig, req: MemoryRequest, plan: MemoryPlan) -> str:
         f"insufficient memory: need {_fmt(plan.needed_bytes)} per device "
         f"(weights {_fmt(plan.weight_bytes)} + KV cache {_fmt(plan.kv_cache_bytes)} for "
         f"kv_cache_len={req.kv_cache_len} at {plan.kv_bytes_per_token} B/token + activation "
-        f"reserve {_fmt(plan.activation_reserve_bytes)}), available {_fmt(plan.available_bytes)}."
+        f"reserve {_fmt(plan.activation_reserve_bytes)} + LoRA slots "
+        f"{_fmt(plan.lora_slot_bytes)}), available {_fmt(plan.available_bytes)}."
     )
     fixes = []
     room = plan.available_bytes - plan.weight_bytes - plan.activation_reserve_bytes

@@ -7,11 +7,13 @@ rows to sample.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from gpu_runtime.context import PrefillChunk, StepContext
+from gpu_runtime.context import LoraBatch, PrefillChunk, StepContext
 from gpu_runtime.model import CausalLM
 
 
@@ -22,6 +24,7 @@ class ScheduledSeq:
     token_ids: list[int]  # the tokens to compute
     num_computed: int  # tokens already in the cache before this step
     block_table: list[int]
+    lora_slot: int = -1  # adapter slot of every row of this sequence; -1 = base model
 
 
 def _triton_available() -> bool:
@@ -94,6 +97,7 @@ class ModelRunner:
             self._add_decode_inputs(ctx, decode_tables, decode_lens)
         if self.use_triton:
             self._add_triton_inputs(ctx, seqs)
+        ctx.lora = self._lora_batch(seqs, len(input_ids))
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, last_rows
 
     def _add_decode_inputs(
@@ -114,6 +118,42 @@ class ModelRunner:
         ctx.block_tables = torch.tensor(padded, dtype=torch.int32, device=dev)
         ctx.token_seq_idx = torch.tensor(seq_idx, dtype=torch.int32, device=dev)
         ctx.token_ctx_len = (ctx.positions + 1).to(torch.int32)
+
+    def _lora_batch(self, seqs: list[ScheduledSeq], num_rows: int) -> LoraBatch | None:
+        """Row slots and segments (runs of one slot); None when no row uses an adapter."""
+        used = sorted({s.lora_slot for s in seqs if s.lora_slot >= 0})
+        if not used:
+            return None
+        dev = self.device
+        starts, seg_slots, row_slots, rows = [0], [], [], []
+        for s in seqs:
+            n, row = len(s.token_ids), len(row_slots)
+            row_slots.extend([s.lora_slot] * n)
+            if s.lora_slot >= 0:
+                rows.extend(range(row, row + n))
+            if seg_slots and seg_slots[-1] == s.lora_slot:
+                starts[-1] += n
+            else:
+                seg_slots.append(s.lora_slot)
+                starts.append(row + n)
+        lo, k = used[0], used[-1] + 1 - used[0]
+        row_slots_t = torch.tensor(row_slots, dtype=torch.int32, device=dev)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev) if len(rows) < num_rows else None
+        onehot = None
+        if k > 1 and not self.use_triton:
+            own = row_slots_t if rows_t is None else row_slots_t[rows_t]  # [N]
+            onehot = F.one_hot(own.long() - lo, k).to(self.dtype)[:, :, None]  # [N, k, 1]
+        return LoraBatch(
+            row_slots=row_slots_t,
+            rows=rows_t,
+            slot_lo=lo,
+            num_slots=k,
+            onehot=onehot,
+            seg_starts=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),
+            max_seg_len=max(b - a for a, b in itertools.pairwise(starts)),
+            use_triton=self.use_triton,
+        )
 
     @torch.inference_mode()
     def forward(self, seqs: list[ScheduledSeq], rows_to_sample: list[int]) -> torch.Tensor:

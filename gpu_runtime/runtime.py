@@ -13,16 +13,21 @@ from pathlib import Path
 
 import torch
 
+from gpu_runtime.adapters import AdapterManager
 from gpu_runtime.block_manager import BlockManager, block_hash
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import (
+    AdapterError,
     ContextTooLongError,
     InvalidRequestError,
+    ModelLoadError,
     OutOfBlocksError,
     SchedulingError,
 )
 from gpu_runtime.fp8 import quantize_model_fp8
 from gpu_runtime.loader import load_model, resolve_dtype
+from gpu_runtime.lora import apply_lora
+from gpu_runtime.lora_format import AdapterInfo
 from gpu_runtime.planner import MemoryPlan, MemoryRequest, available_device_bytes, plan_memory
 from gpu_runtime.runner import ModelRunner, ScheduledSeq
 from gpu_runtime.sampling import make_batch, sample
@@ -49,6 +54,8 @@ class RuntimeConfig:
     max_num_batched_tokens: int = 2048  # sizes the activation reserve only
     max_num_seqs: int = 256
     seed: int = 0  # of the shared generator used by unseeded requests
+    max_adapters: int = 4  # LoRA slots on the device; 0 disables LoRA (no layer swap)
+    max_lora_rank: int = 64  # slot capacity; adapters of higher rank are refused
 
 
 def _default_dtype(config: ModelConfig, device: torch.device) -> str:
@@ -70,12 +77,23 @@ class Runtime:
             quantization=config.quantization,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            max_adapters=config.max_adapters,
+            max_lora_rank=config.max_lora_rank,
         )
         available = config.memory_budget_bytes or available_device_bytes(self.device)
         self.memory_plan: MemoryPlan = plan_memory(mc, request, available)
         model = load_model(model_path, mc, dtype, self.device)
         if config.quantization == "fp8":
             quantize_model_fp8(model)
+        if config.max_adapters < 0 or config.max_lora_rank < 1:
+            raise ModelLoadError("need max_adapters >= 0 and max_lora_rank >= 1")
+        lora_layers = {}
+        if config.max_adapters > 0:
+            lora_layers = apply_lora(model, config.max_adapters, config.max_lora_rank, dtype)
+        self.adapters = AdapterManager(
+            mc, lora_layers, config.max_adapters, config.max_lora_rank, dtype,
+            pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         num_blocks = self.memory_plan.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size)
@@ -93,6 +111,10 @@ class Runtime:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
+
+    @property
+    def num_adapter_swaps(self) -> int:
+        return self.adapters.num_adapter_swaps
 
     def num_cached_tokens(self, token_ids: Seq[int], adapter_key: str | None = None) -> int:
         """Prompt tokens a request would find in the KV cache now. No side effects."""
@@ -115,6 +137,19 @@ class Runtime:
     def check_invariants(self) -> None:
         self.block_manager.check_invariants([s.block_table for s in self.sequences.values()])
 
+    # ---- adapters ---------------------------------------------------------------------
+
+    def register_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Validate a PEFT LoRA directory and keep its weights in host memory."""
+        return self.adapters.register(name, path)
+
+    def unregister_adapter(self, name: str) -> bool:
+        """Forget an adapter; refused (`AdapterError`) while a sequence uses it."""
+        users = [s.seq_id for s in self.sequences.values() if s.adapter_key == name]
+        if users:
+            raise AdapterError(f"adapter {name!r} is in use by {len(users)} sequences")
+        return self.adapters.unregister(name)
+
     # ---- sequence lifecycle -----------------------------------------------------------
 
     def add_sequence(
@@ -129,7 +164,7 @@ class Runtime:
         Raises `InvalidRequestError` or `ContextTooLongError`; then nothing changed.
         """
         params = params or SamplingParams()
-        prompt = self._validate(seq_id, prompt_token_ids, params)
+        prompt = self._validate(seq_id, prompt_token_ids, params, adapter_key)
         stops = set() if params.ignore_eos else set(self.model_config.eos_token_ids)
         stops.update(params.stop_token_ids or ())
         seq = Sequence(seq_id, prompt, len(prompt), params, adapter_key, frozenset(stops))
@@ -139,7 +174,9 @@ class Runtime:
         seq.num_cached_prompt_tokens = self._take_cached_prefix(seq)
         return seq.num_cached_prompt_tokens
 
-    def _validate(self, seq_id: str, token_ids: Seq[int], params: SamplingParams) -> list[int]:
+    def _validate(
+        self, seq_id: str, token_ids: Seq[int], params: SamplingParams, adapter_key: str | None
+    ) -> list[int]:
         if seq_id in self.sequences:
             raise InvalidRequestError(f"sequence {seq_id!r} is already running")
         prompt = [int(t) for t in token_ids]
@@ -159,6 +196,8 @@ class Runtime:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
             raise InvalidRequestError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if adapter_key is not None and adapter_key not in self.adapters.adapters:
+            raise InvalidRequestError(f"adapter {adapter_key!r} is not registered")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a model with tokenizer.json")
         if any(not 0 <= t < vocab for t in params.stop_token_ids or ()):
@@ -211,12 +250,16 @@ class Runtime:
                     f"{seq_id!r}: {n} tokens scheduled, {seq.num_uncomputed} left"
                 )
             work.append((seq, n))
+        num_adapters = len({s.adapter_key for s, _ in work} - {None})
+        if num_adapters > self.adapters.num_slots:
+            raise SchedulingError(
+                f"plan uses {num_adapters} adapters; there are {self.adapters.num_slots} slots"
+            )
         needed = self.num_blocks_needed(plan.num_scheduled_tokens)
         if not self.block_manager.can_allocate(needed):
             raise OutOfBlocksError(
                 f"plan needs {needed} blocks, {self.block_manager.num_free_blocks} free"
             )
-        work.sort(key=lambda w: w[1] != 1)  # decodes first (stable)
         return work
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -224,11 +267,16 @@ class Runtime:
         if not work:
             return StepOutput([], {})
         bm = self.block_manager
+        slots = self.adapters.ensure_resident({s.adapter_key for s, _ in work} - {None})
+        slots[None] = -1
+        # Decodes first, sorted by adapter slot: same-adapter rows form one LoRA segment.
+        work.sort(key=lambda w: (w[1] != 1, slots[w[0].adapter_key] if w[1] == 1 else 0))
         scheduled = []
         for seq, n in work:
             bm.append(seq.block_table, seq.num_computed_tokens + n)
             start = seq.num_computed_tokens
-            scheduled.append(ScheduledSeq(seq.token_ids[start : start + n], start, seq.block_table))
+            tokens = seq.token_ids[start : start + n]
+            scheduled.append(ScheduledSeq(tokens, start, seq.block_table, slots[seq.adapter_key]))
         to_sample = [i for i, (seq, n) in enumerate(work) if n == seq.num_uncomputed]
         logits = self.runner.forward(scheduled, to_sample)  # [len(to_sample), vocab]
         for seq, n in work:

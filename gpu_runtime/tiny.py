@@ -114,3 +114,50 @@ def make_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     return out
+
+
+# (rank, lora_alpha, use_rslora, targets) of adapter i, cycled: varied ranks and targets.
+_ADAPTER_SPECS = (
+    (8, 16.0, False, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    (4, 8.0, False, ("q_proj", "v_proj")),
+    (16, 8.0, True, ("o_proj", "gate_proj", "down_proj")),
+    (2, 4.0, False, ("k_proj", "up_proj")),
+)
+
+
+def make_tiny_adapters(model_dir: str | Path, out_root: str | Path, n: int) -> list[Path]:
+    """Write `n` PEFT LoRA adapters for the model in `model_dir` as out_root/adapter-{i}.
+
+    Non-zero, distinct random weights (seeded by i); ranks, alphas and target
+    modules vary (adapter 2, 6, ... uses rslora). Written with safetensors:
+    loadable by PEFT's `PeftModel.from_pretrained` and by the runtime.
+    """
+    from gpu_runtime.config import ModelConfig
+    from gpu_runtime.lora_format import CONFIG_FILE, WEIGHTS_FILE, projection_shape
+
+    config = ModelConfig.from_dir(model_dir)
+    paths = []
+    for i in range(n):
+        rank, alpha, rslora, targets = _ADAPTER_SPECS[i % len(_ADAPTER_SPECS)]
+        gen = torch.Generator().manual_seed(1000 + i)
+        state = {}
+        for layer in range(config.num_layers):
+            for proj in targets:
+                group = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                prefix = f"base_model.model.model.layers.{layer}.{group}.{proj}"
+                out_f, in_f = projection_shape(config, proj)
+                a = torch.randn(rank, in_f, generator=gen) / in_f**0.5
+                state[f"{prefix}.lora_A.weight"] = a
+                state[f"{prefix}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * 0.02
+        out = Path(out_root) / f"adapter-{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        adapter_config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "use_rslora": rslora, "target_modules": list(targets), "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "base_model_name_or_path": str(Path(model_dir).resolve()),
+        }  # fmt: skip
+        (out / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2) + "\n")
+        paths.append(out)
+    return paths

@@ -42,7 +42,9 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option("--dtype", help="float32 | bfloat16 | float16")
         ] = None,
         tp: Annotated[int, typer.Option("--tp", min=1, help="Local ranks (only 1 for now).")] = 1,
-        adapter_path: Annotated[Path | None, typer.Option("--adapter-path")] = None,
+        adapter_path: Annotated[
+            Path | None, typer.Option("--adapter-path", help="PEFT LoRA adapter directory.")
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
         """Generate from a prompt with the local runtime and print the result."""
@@ -56,8 +58,6 @@ def register(app: typer.Typer) -> None:
             raise fail(
                 "--tp > 1 is not supported yet: tensor parallelism comes in a later release", 2
             )
-        if adapter_path is not None:
-            raise fail("--adapter-path is not supported yet: LoRA comes in a later release", 2)
         if quantization not in ("none", "fp8"):
             raise fail(f"--quantization must be none or fp8, got {quantization!r}", 2)
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = _generate(
                 model_path, prompt_ids, prompt, max_tokens, temperature, top_p, top_k, seed,
-                quantization, device, dtype,
+                quantization, device, dtype, adapter_path,
             )  # fmt: skip
         except RuntimeErrorBase as exc:
             raise fail(str(exc), 2) from None
@@ -87,18 +87,33 @@ def _generate(
     quantization: str,
     device: str,
     dtype: str | None,
+    adapter_path: Path | None,
 ) -> dict:
     from gpu_runtime import ModelConfig, Runtime, RuntimeConfig, SamplingParams, StepPlan
+    from gpu_runtime.lora_format import validate_adapter_dir
 
     config = ModelConfig.from_dir(model_path)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     # Just enough KV cache for this one request, capped by the model's context.
     wanted = (len(ids) if ids else 4 * len(prompt or "")) + max_tokens + 1
     kv_len = min(wanted, config.max_position_embeddings)
+    # One slot exactly as wide as the adapter, or no LoRA layers at all.
+    rank = validate_adapter_dir(model_path, adapter_path, 1 << 16).rank if adapter_path else 1
     rt = Runtime(
         model_path,
-        RuntimeConfig(device=device, dtype=dtype, kv_cache_len=kv_len, quantization=quantization),
+        RuntimeConfig(
+            device=device,
+            dtype=dtype,
+            kv_cache_len=kv_len,
+            quantization=quantization,
+            max_adapters=1 if adapter_path else 0,
+            max_lora_rank=rank,
+        ),
     )
+    adapter_key = None
+    if adapter_path is not None:
+        adapter_key = adapter_path.name or "adapter"
+        rt.register_adapter(adapter_key, adapter_path)
     if ids is None:
         if rt.tokenizer is None:
             raise fail(f"--prompt needs {model_path}/tokenizer.json; use --prompt-ids", 2)
@@ -106,7 +121,7 @@ def _generate(
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
     )
-    cached = rt.add_sequence("generate", ids, params)
+    cached = rt.add_sequence("generate", ids, params, adapter_key=adapter_key)
     plan = {"generate": len(ids) - cached}
     generated: list[int] = []
     while True:

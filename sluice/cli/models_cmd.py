@@ -24,18 +24,21 @@ def register(app: typer.Typer) -> None:
     def make_tiny_cmd(
         directory: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
         adapters: Annotated[
-            int, typer.Option("--adapters", min=0, help="LoRA adapters to write.")
+            int,
+            typer.Option("--adapters", min=0, help="LoRA adapters to write, in DIR/adapters."),
         ] = 0,
         seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     ) -> None:
-        """Write a small random-weight Llama model (Hugging Face format) with a tokenizer."""
-        from gpu_runtime.tiny import TinySpec, make_tiny_model
+        """Write a small random-weight Llama model (Hugging Face format) with a tokenizer.
 
-        if adapters > 0:
-            raise fail(
-                "--adapters N > 0 is not supported yet: LoRA adapters come with the LoRA runtime", 2
-            )
+        With `--adapters N`, also N PEFT LoRA adapters in DIR/adapters/adapter-{i}.
+        """
+        from gpu_runtime.tiny import TinySpec, make_tiny_adapters, make_tiny_model
+
         if directory.exists() and not directory.is_dir():
             raise fail(f"{directory} exists and is not a directory", 2)
         out = make_tiny_model(directory, TinySpec(seed=seed))
         typer.echo(f"wrote a tiny Llama model to {out}")
+        if adapters > 0:
+            paths = make_tiny_adapters(out, out / "adapters", adapters)
+            typer.echo(f"wrote {len(paths)} LoRA adapters to {out / 'adapters'}")

@@ -18,3 +18,13 @@ def test_bench_quick_mode_is_quick():
     assert set(result["decode_tokens_s"]) == {1, 8, 32, 64}
     assert all(v > 0 for v in result["decode_tokens_s"].values())
     assert result["prefill_tokens_s"] > 0 and result["memory_bandwidth_gb_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_adapters_quick_mode():
+    from gpu_runtime.bench import bench_adapters
+
+    result = bench_adapters("cpu", quick=True)
+    assert result["quick"] is True and "quick mode" in result["note"]
+    assert set(result["decode_tokens_s"]) == {"base", "1_adapter", "4_adapters"}
+    assert all(v > 0 for v in result["decode_tokens_s"].values())

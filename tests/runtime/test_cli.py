@@ -57,5 +57,23 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
         res = runner.invoke(app, ["generate", *extra])
         assert res.exit_code == 2, (extra, res.output)
         assert "Traceback" not in res.output
-    res = runner.invoke(app, ["models", "make-tiny", str(tmp_path / "x"), "--adapters", "2"])
+    res = runner.invoke(app, ["generate", *cases[1][:2], "--prompt-ids", "1", "--tp", "2"])
     assert res.exit_code == 2 and "not supported yet" in res.output
+    bad = ["generate", "--model-path", str(model), "--prompt-ids", "1", "--adapter-path"]
+    res = runner.invoke(app, [*bad, str(tmp_path)])
+    assert res.exit_code == 2 and "adapter_config.json" in res.output
+
+
+def test_make_tiny_adapters_then_generate_with_adapter(tmp_path):
+    runner = CliRunner()
+    model = tmp_path / "tiny"
+    res = runner.invoke(app, ["models", "make-tiny", str(model), "--adapters", "2"])
+    assert res.exit_code == 0, res.output
+    args = ["generate", "--model-path", str(model), "--prompt-ids", "5,6,7", "--max-tokens", "4"]
+    outs = []
+    for extra in ([], ["--adapter-path", str(model / "adapters" / "adapter-0")]):
+        res = runner.invoke(app, [*args, *extra, "--json"])
+        assert res.exit_code == 0, res.output
+        outs.append(json.loads(res.stdout)["token_ids"])
+    assert (model / "adapters" / "adapter-1" / "adapter_model.safetensors").is_file()
+    assert outs[0] != outs[1]  # the adapter changes the greedy tokens

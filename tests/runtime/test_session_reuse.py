@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu_runtime import StepPlan
+from gpu_runtime.tiny import make_tiny_adapters
 from tests.runtime.helpers import greedy, make_hf_checkpoint, make_runtime
 
 
@@ -49,8 +50,9 @@ def test_turn2_reuses_turn1_and_matches_cold_run(path):
     rt.check_invariants()
 
 
-def test_adapter_key_isolates_and_preempt_resume_finds_prefix(path):
+def test_adapter_key_isolates_and_preempt_resume_finds_prefix(path, tmp_path):
     rt = make_runtime(path)
+    rt.register_adapter("x", make_tiny_adapters(path, tmp_path, 1)[0])  # keys must be registered
     prompt = list(range(3, 53))  # 50 tokens
     rt.add_sequence("a", prompt, greedy(30), adapter_key="x")
     rt.execute(StepPlan({"a": 50}))
