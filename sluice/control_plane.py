@@ -52,6 +52,17 @@ def _check(kind: str, value: str) -> str:
         raise InvalidConfigError(str(exc)) from None
 
 
+def _check_adapter(dep: ModelDeployment, adapter_dir: Path) -> None:
+    """Refuse an adapter that does not fit the base model (shapes, rank, targets)."""
+    from gpu_runtime.errors import RuntimeErrorBase
+    from gpu_runtime.lora_format import validate_adapter_dir
+
+    try:
+        validate_adapter_dir(dep.path, adapter_dir, dep.compute_config.max_lora_rank)
+    except (RuntimeErrorBase, OSError, ValueError) as exc:
+        raise InvalidConfigError(f"adapter at {adapter_dir} refused: {exc}") from None
+
+
 class ControlPlane:
     """Async control-plane operations. Use `await ControlPlane.connect(settings)`."""
 
@@ -159,6 +170,7 @@ class ControlPlane:
         def change(dep: ModelDeployment) -> dict[str, Any]:
             if any(a.name == name for a in dep.adapters):
                 raise ConflictError(f"adapter {name!r} of model {model!r} is already registered")
+            _check_adapter(dep, adapter_dir)
             limit = dep.compute_config.max_adapters
             if len(dep.adapters) >= limit:
                 raise LimitExceededError(

@@ -57,6 +57,7 @@ class WorkerOptions:
     instance_id: str | None = None
     max_num_batched_tokens: int = 512
     memory_budget_bytes: int | None = None
+    adapter_slots: int | None = None  # None: the compute config's max_adapters
     wait_for_model_s: float = 600.0
 
 
@@ -87,6 +88,9 @@ class Worker:
         self._reload = asyncio.Event()
         self._stopping = asyncio.Event()
         self.num_reloads = 0
+        self.served_adapters: set[str] = set()
+        self._retired_adapters: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -156,6 +160,11 @@ class Worker:
 
     # ---- deployment ------------------------------------------------------------------
 
+    def _adapter_slots(self, dep: ModelDeployment) -> int:
+        if self.options.adapter_slots is not None:
+            return self.options.adapter_slots
+        return dep.compute_config.max_adapters
+
     def _runtime_config(self, dep: ModelDeployment) -> RuntimeConfig:
         cc = dep.compute_config
         return RuntimeConfig(
@@ -163,19 +172,66 @@ class Worker:
             kv_cache_len=cc.kv_cache_len, quantization=cc.quantization,
             memory_budget_bytes=self.options.memory_budget_bytes,
             max_num_batched_tokens=self.options.max_num_batched_tokens,
+            max_adapters=self._adapter_slots(dep), max_lora_rank=cc.max_lora_rank,
         )
 
     async def _load(self, dep: ModelDeployment) -> None:
         started = time.monotonic()
-        self.runtime = await asyncio.to_thread(self._runtime_factory, dep.path,
-                                               self._runtime_config(dep))
-        self.engine = Engine(self.runtime, BatcherConfig(
+        runtime = await asyncio.to_thread(self._runtime_factory, dep.path,
+                                          self._runtime_config(dep))
+        self.runtime = runtime
+        self.served_adapters = set()
+        for spec in dep.adapters:
+            await self._register_adapter(spec.name, spec.path, None)
+        slots = self._adapter_slots(dep)
+        self.engine = Engine(runtime, BatcherConfig(
             max_num_batched_tokens=self.options.max_num_batched_tokens,
-            max_adapters_per_step=max(1, dep.compute_config.max_adapters),
-        ), on_step=self._on_step)
+            max_adapters_per_step=max(1, slots),
+        ), adapters=runtime.adapters if slots > 0 else None, on_step=self._on_step)
         await self.engine.start()
-        log.info("loaded %s (revision %d) in %.1f s", dep.model, dep.revision,
-                 time.monotonic() - started)
+        if self.ingest is not None:
+            self.ingest.adapters = frozenset(self.served_adapters)
+        log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
+                 sorted(self.served_adapters), time.monotonic() - started)
+
+    async def _register_adapter(self, name: str, path: str, engine: Engine | None) -> None:
+        """Load an adapter's weights into host memory (on the step thread once serving)."""
+        assert self.runtime is not None
+        runtime = self.runtime
+        try:
+            if engine is None:
+                await asyncio.to_thread(runtime.register_adapter, name, path)
+            else:
+                await engine.run_between_steps(lambda: runtime.register_adapter(name, path))
+        except Exception as exc:  # a bad adapter must not take the model down
+            log.error("adapter %s of %s not served: %s", name, self.model, exc)
+            return
+        self.served_adapters.add(name)
+
+    async def _sync_adapters(self, dep: ModelDeployment) -> None:
+        """Adapters added or removed while serving: no reload needed."""
+        engine, runtime = self.engine, self.runtime
+        if engine is None or runtime is None or self._reload.is_set():
+            return
+        wanted = {a.name: a.path for a in dep.adapters}
+        for name in sorted(set(wanted) - self.served_adapters):
+            await self._register_adapter(name, wanted[name], engine)
+        for name in sorted(self.served_adapters - set(wanted)):
+            self.served_adapters.discard(name)
+            self._retired_adapters.add(name)
+        if self.ingest is not None:
+            self.ingest.adapters = frozenset(self.served_adapters)
+        await self._drop_retired_adapters()
+
+    async def _drop_retired_adapters(self) -> None:
+        """Unregister removed adapters once no running request uses them."""
+        engine, runtime = self.engine, self.runtime
+        if engine is None or runtime is None:
+            return
+        for name in sorted(self._retired_adapters):
+            dropped = await engine.run_between_steps(lambda n=name: runtime.unregister_adapter(n))
+            if dropped:
+                self._retired_adapters.discard(name)
 
     def _apply_placement(self, dep: ModelDeployment) -> None:
         if self.settings.pool in dep.placement.compute_pools:
@@ -184,7 +240,6 @@ class Worker:
             self._serving.clear()
         if self.ingest is not None:
             self.ingest.max_ttft_ms = dep.placement.max_ttft_ms
-            self.ingest.adapters = frozenset(a.name for a in dep.adapters)
 
     async def _on_deployment(self, dep: ModelDeployment) -> None:
         previous = self.deployment
@@ -197,6 +252,9 @@ class Worker:
             previous.path != dep.path
         ):
             self._reload.set()
+        elif previous.adapters != dep.adapters:
+            self._background.add(task := asyncio.create_task(self._sync_adapters(dep)))
+            task.add_done_callback(self._background.discard)
 
     def _make_ingest(self, checker: PermissionChecker) -> RequestIngest:
         assert self.runtime is not None and self.writer is not None and self.deployment
@@ -208,7 +266,7 @@ class Worker:
             submit=self._submit, on_revoked=self._on_revoked,
         )
         ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
-        ingest.adapters = frozenset(a.name for a in self.deployment.adapters)
+        ingest.adapters = frozenset(self.served_adapters)
         return ingest
 
     # ---- requests in -----------------------------------------------------------------
@@ -383,6 +441,8 @@ class Worker:
             if engine is None or runtime is None or ingest is None:
                 continue
             self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
+            if self._retired_adapters:
+                await self._drop_retired_adapters()
             bm = runtime.block_manager
             self.metrics.set_kv(bm.num_blocks - bm.num_free_blocks, bm.num_free_blocks)
             for tp in ingest.consumer.assignment():

@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
         metrics_port: Annotated[int | None, typer.Option(
             "--metrics-port", help="Prometheus port (SLUICE_METRICS_PORT; 0 = any free).")]
         = None,
+        adapter_slots: Annotated[int | None, typer.Option(
+            "--adapter-slots", help="LoRA slots on the device (default: max_adapters).")]
+        = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     ) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
@@ -49,6 +52,7 @@ def register(app: typer.Typer) -> None:
         options = WorkerOptions(model=model, device=device, tp=tp, replica=replica,
                                 instance_id=instance_id,
                                 max_num_batched_tokens=max_batched_tokens,
+                                adapter_slots=adapter_slots,
                                 memory_budget_bytes=None if memory_budget_gib is None
                                 else int(memory_budget_gib * 2**30))
         worker = Worker(settings, options)

@@ -15,14 +15,24 @@ from batcher.runtime_port import RuntimePort
 from batcher.types import TERMINAL_EVENT_TYPES, DoneEvent, Event, Request, TokenEvent
 from gpu_runtime.runtime import Runtime, RuntimeConfig
 from gpu_runtime.sequence import SamplingParams, StepPlan
-from gpu_runtime.tiny import make_tiny_model
+from gpu_runtime.tiny import make_tiny_adapters, make_tiny_model
 
 ADAPTERS = [None, "sales", "support", "legal", "ops"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    make_tiny_adapters(path, path / "adapters", len(ADAPTERS) - 1)
+    return path
+
+
+def runtime(model_dir: Path, kv_cache_len: int, slots: int = 4) -> Runtime:
+    """The real runtime with the four real LoRA adapters registered."""
+    rt = Runtime(model_dir, RuntimeConfig(kv_cache_len=kv_cache_len, max_adapters=slots))
+    for i, name in enumerate(a for a in ADAPTERS if a is not None):
+        rt.register_adapter(name, model_dir / "adapters" / f"adapter-{i}")
+    return rt
 
 
 def workload(n: int, seed: int) -> list[tuple[str, list[int], int, str | None]]:
@@ -69,7 +79,7 @@ def to_requests(work: list[tuple[str, list[int], int, str | None]]) -> list[Requ
 
 
 def check_exact(model_dir: Path, work, events) -> None:
-    ref = Runtime(model_dir, RuntimeConfig(kv_cache_len=8192))
+    ref = runtime(model_dir, 8192)
     for rid, prompt, max_tokens, adapter in work:
         evs = events[rid]
         assert isinstance(evs[-1], DoneEvent), evs[-1]
@@ -79,11 +89,11 @@ def check_exact(model_dir: Path, work, events) -> None:
 
 
 async def test_two_hundred_mixed_requests_match_running_alone(model_dir: Path) -> None:
-    rt = Runtime(model_dir, RuntimeConfig(kv_cache_len=8192))
+    rt = runtime(model_dir, 8192)
     port: RuntimePort = rt
     work = workload(200, seed=1)
     config = BatcherConfig(max_num_batched_tokens=256, max_num_seqs=64, max_adapters_per_step=4)
-    async with Engine(port, config) as engine:
+    async with Engine(port, config, adapters=rt.adapters) as engine:
         events = await serve(engine, to_requests(work))
         await engine.drain()
         stats = engine.scheduler.stats
@@ -97,13 +107,16 @@ async def test_two_hundred_mixed_requests_match_running_alone(model_dir: Path) -
 
 
 async def test_small_cache_preempts_and_stays_exact(model_dir: Path) -> None:
-    rt = Runtime(model_dir, RuntimeConfig(kv_cache_len=256))  # 16 blocks of 16
+    # 16 blocks of 16 tokens, and two adapter slots for four adapters: swaps too.
+    rt = runtime(model_dir, 256, slots=2)
     work = [(rid, p[:60], 12, a) for rid, p, _, a in workload(40, seed=2)]
-    config = BatcherConfig(max_num_batched_tokens=128, kv_headroom_blocks=1)
-    async with Engine(rt, config) as engine:
+    config = BatcherConfig(max_num_batched_tokens=128, kv_headroom_blocks=1,
+                           max_adapters_per_step=2)
+    async with Engine(rt, config, adapters=rt.adapters) as engine:
         events = await serve(engine, to_requests(work))
         stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
+    assert stats.max_adapters_in_step <= 2 and rt.num_adapter_swaps > 0
     check_exact(model_dir, work, events)
     rt.check_invariants()
     assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks

@@ -37,20 +37,22 @@ def settings(endpoints, unique_name) -> Settings:
                     topic_prefix=unique_name, request_partitions=3)
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, list[Path]]:
+    from gpu_runtime.tiny import make_tiny_adapters, make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+    return path, make_tiny_adapters(path, path / "adapters", 6)
+
+
 @pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    return path
+def model_dir(tiny) -> Path:
+    return tiny[0]
 
 
-def _adapter_dir(tmp_path: Path, name: str) -> Path:
-    path = tmp_path / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text("{}")
-    (path / "adapter_model.safetensors").write_bytes(b"")
-    return path
+def _adapter_dir(tiny_or_path, name: str) -> Path:
+    """One of the tiny model's real PEFT adapters (`name` ends in its index)."""
+    return tiny_or_path[1][int(name[-1])]
 
 
 async def _drop_schema(settings: Settings) -> None:
@@ -119,23 +121,32 @@ async def test_register_update_and_publish(settings, model_dir) -> None:
     await _drop_schema(settings)
 
 
-async def test_adapter_limit_is_enforced_with_a_clear_message(settings, model_dir,
+async def test_adapter_limit_is_enforced_with_a_clear_message(settings, model_dir, tiny,
                                                              tmp_path) -> None:
     cp = await ControlPlane.connect(settings)
     try:
         await cp.register_model("tiny", str(model_dir))
         for i in range(4):
-            await cp.register_adapter("tiny", f"a{i}", str(_adapter_dir(tmp_path, f"a{i}")))
+            await cp.register_adapter("tiny", f"a{i}", str(_adapter_dir(tiny, f"a{i}")))
         with pytest.raises(LimitExceededError) as info:
-            await cp.register_adapter("tiny", "a4", str(_adapter_dir(tmp_path, "a4")))
+            await cp.register_adapter("tiny", "a4", str(_adapter_dir(tiny, "a4")))
         assert "max_adapters=4" in str(info.value) and "update-compute-config" in str(info.value)
         await cp.update_compute_config("tiny", {"max_adapters": 6})
-        dep = await cp.register_adapter("tiny", "a4", str(tmp_path / "a4"))
+        dep = await cp.register_adapter("tiny", "a4", str(_adapter_dir(tiny, "a4")))
         assert [a.name for a in dep.adapters] == ["a0", "a1", "a2", "a3", "a4"]
         dep = await cp.remove_adapter("tiny", "a0")
         assert [a.name for a in dep.adapters] == ["a1", "a2", "a3", "a4"]
         with pytest.raises(InvalidConfigError, match=r"adapter_config\.json"):
             await cp.register_adapter("tiny", "empty", str(tmp_path))
+        # An adapter made for another base model is refused with the shapes.
+        from gpu_runtime.tiny import TinySpec, make_tiny_adapters, make_tiny_model
+
+        other = make_tiny_model(tmp_path / "wide", TinySpec(hidden_size=96, num_heads=6,
+                                                            num_kv_heads=2))
+        foreign = make_tiny_adapters(other, tmp_path / "wide-adapters", 1)[0]
+        await cp.update_compute_config("tiny", {"max_adapters": 8})
+        with pytest.raises(InvalidConfigError, match="refused"):
+            await cp.register_adapter("tiny", "foreign", str(foreign))
     finally:
         await cp.close()
     await _drop_schema(settings)
@@ -188,7 +199,7 @@ async def test_keys_grants_and_fast_revocation(settings, model_dir) -> None:
     await _drop_schema(settings)
 
 
-def test_sdk_control_calls_are_synchronous(settings, model_dir, tmp_path) -> None:
+def test_sdk_control_calls_are_synchronous(settings, model_dir, tiny) -> None:
     with sluice.Client(settings) as client:
         client.models.register(model="tiny", path=str(model_dir))
         dep = client.models.update_compute_config(
@@ -198,7 +209,7 @@ def test_sdk_control_calls_are_synchronous(settings, model_dir, tmp_path) -> Non
                                                             "max_ttft_ms": 60000})
         assert dep.placement.compute_pools == ["pool-1"]
         client.adapters.register(model="tiny", name="support-bot",
-                                 path=str(_adapter_dir(tmp_path, "sb")))
+                                 path=str(_adapter_dir(tiny, "a0")))
         key = client.keys.create(tenant="acme")
         client.keys.grant(key, model="tiny", adapter="support-bot")
         assert key.startswith("sk-sluice-")

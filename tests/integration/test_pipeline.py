@@ -282,3 +282,48 @@ async def test_tenant_reply_topic_prefix_is_enforced(settings, tiny_model, tmp_p
     finally:
         await client.aclose()
         await _drop_schema(settings)
+
+
+async def test_adapters_through_kafka_match_the_runtime_alone(settings, tiny_model,
+                                                              tmp_path) -> None:
+    from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+    from gpu_runtime.tiny import make_tiny_adapters
+
+    adapters = make_tiny_adapters(tiny_model, tmp_path / "adapters", 3)
+    client, key = _setup(settings, tiny_model)
+    for i, path in enumerate(adapters):
+        client.adapters.register(model="tiny", name=f"a{i}", path=str(path))
+        if i < 2:
+            client.keys.grant(key, model="tiny", adapter=f"a{i}")
+    prompt = [5, 17, 33, 42, 8, 99]
+    try:
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            names = [None, "a0", "a1", None, "a0", "a1"]
+            results = await asyncio.wait_for(asyncio.gather(*(
+                client.complete(model="tiny", api_key=key, adapter=name, max_tokens=12,
+                                prompt_token_ids=prompt) for name in names)), 120)
+            with pytest.raises(RequestError) as info:  # a2 exists but is not granted
+                await asyncio.wait_for(client.complete(
+                    model="tiny", api_key=key, adapter="a2", prompt_token_ids=prompt), 60)
+            assert info.value.code == "unauthorized", worker.log()
+    finally:
+        await client.aclose()
+        await _drop_schema(settings)
+
+    rt = Runtime(tiny_model, RuntimeConfig(kv_cache_len=2048))
+    for i, path in enumerate(adapters):
+        rt.register_adapter(f"a{i}", path)
+
+    def alone(adapter: str | None) -> list[int]:
+        rt.add_sequence("x", prompt, SamplingParams(max_tokens=12), adapter)
+        out: list[int] = []
+        while "x" in rt.sequences:
+            step = rt.execute(StepPlan({"x": rt.sequences["x"].num_uncomputed}))
+            out += [o.token_id for o in step.outputs]
+        return out
+
+    expected = {name: alone(name) for name in (None, "a0", "a1")}
+    assert len({tuple(v) for v in expected.values()}) == 3  # adapters change the output
+    for name, done in zip(names, results, strict=True):
+        assert done.token_ids == expected[name], name
+        assert done.adapter == name
