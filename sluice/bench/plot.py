@@ -39,7 +39,9 @@ def _throughput(ax: Any, raw: dict[str, Any]) -> None:
             for b in batches]
     ax.plot(batches, [decode[b] for b in batches], "o-", label="sluice runtime")
     ax.plot(batches, roof, "--", color="gray", label="machine limit (roofline)")
-    hf = {int(b): v for b, v in raw["hf_generate_decode_tokens_s"].items() if v is not None}
+    flops_bound = {b: f / (2 * raw["model"]["params_per_step"]) for b, f in flops.items()}
+    hf = {int(b): v for b, v in raw["hf_generate_decode_tokens_s"].items()
+          if v is not None and v <= 2 * flops_bound.get(int(b), float("inf"))}
     if hf:
         ax.plot(sorted(hf), [hf[b] for b in sorted(hf)], "s-", label="HF generate")
     ax.set_xscale("log", base=2)
@@ -85,9 +87,9 @@ def _cdf(ax: Any, series: dict[str, list[float]], title: str) -> None:
 def render(results: dict[str, ScenarioResult], out: Path) -> Path:
     plt = _pyplot()
     panels = []
-    if "runtime" in results:
+    if "runtime" in results and "raw" in results["runtime"].extra:
         panels.append(lambda ax: _throughput(ax, results["runtime"].extra["raw"]))
-    if "deadlines" in results:
+    if "deadlines" in results and "raw" in results["deadlines"].extra:
         panels.append(lambda ax: _deadlines(ax, results["deadlines"].extra["raw"]))
     for name, title in (("sessions", "sessions: TTFT CDF"), ("kafka", "kafka: TTFT CDF")):
         if name in results and results[name].extra.get("ttft_ms"):

@@ -51,14 +51,29 @@ async def _broker_scenarios(names: list[str], device: str, quick: bool,
             for name in names:
                 started = time.perf_counter()
                 samples: dict[str, list[float]] = {}
-                if name == "kafka":
-                    results, samples = await bench_kafka(served, device, quick)
+                try:
+                    if name == "kafka":
+                        results, samples = await bench_kafka(served, device, quick)
+                    else:
+                        results = await bench_bulk(served, device, quick, workdir)
+                except Exception as exc:
+                    out[name] = failed(exc, time.perf_counter() - started)
                 else:
-                    results = await bench_bulk(served, device, quick, workdir)
-                out[name] = ScenarioResult(TINY_SHAPE, results, time.perf_counter() - started,
-                                           extra={"ttft_ms": samples})
+                    out[name] = ScenarioResult(TINY_SHAPE, results,
+                                               time.perf_counter() - started,
+                                               extra={"ttft_ms": samples})
                 on_done(name, out[name])
     return out
+
+
+def failed(exc: BaseException, wall_s: float = 0.0) -> ScenarioResult:
+    """A scenario that raised: recorded in the document, so the others' results survive."""
+    return ScenarioResult("n/a", {"available": False, "error": f"{type(exc).__name__}: {exc}"},
+                          wall_s)
+
+
+def failed_scenarios(results: dict[str, ScenarioResult]) -> list[str]:
+    return [n for n, r in results.items() if "error" in r.results]
 
 
 def run_scenarios(scenario: str, device: str, quick: bool,
@@ -73,10 +88,20 @@ def run_scenarios(scenario: str, device: str, quick: bool,
     results: dict[str, ScenarioResult] = {}
     for name in names:
         if name in LOCAL:
-            results[name] = LOCAL[name](device, quick)
+            started = time.perf_counter()
+            try:
+                results[name] = LOCAL[name](device, quick)
+            except Exception as exc:
+                results[name] = failed(exc, time.perf_counter() - started)
             on_done(name, results[name])
     broker = [n for n in names if n in BROKER]
     if broker:
-        results.update(asyncio.run(_broker_scenarios(broker, device, quick, on_done)))
+        try:
+            results.update(asyncio.run(_broker_scenarios(broker, device, quick, on_done)))
+        except Exception as exc:
+            for name in broker:
+                if name not in results:
+                    results[name] = failed(exc)
+                    on_done(name, results[name])
     add_serving_goals(results)
     return {n: results[n] for n in names}

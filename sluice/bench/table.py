@@ -17,7 +17,7 @@ def scenario_table(name: str, results: dict[str, Any]) -> Table:
     for path, fig in walk_figures({k: v for k, v in results.items() if k != "goals"}):
         table.add_row(path, fmt_figure(fig))
     if not results.get("available", True):
-        table.add_row("not available", str(results.get("note", "")))
+        table.add_row("not available", str(results.get("error") or results.get("note", "")))
     return table
 
 

@@ -10,6 +10,7 @@ import typer
 
 from sluice.cli import (
     batch_cmd,
+    bench_cmd,
     chat_cmd,
     demo_cmd,
     generate_cmd,
@@ -28,7 +29,7 @@ app = typer.Typer(
 )
 
 for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, worker_cmd,
-               batch_cmd, chat_cmd, demo_cmd):
+               batch_cmd, chat_cmd, demo_cmd, bench_cmd):
     module.register(app)
 
 

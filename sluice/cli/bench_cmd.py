@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
             results = None
         else:
             from sluice.bench.harness import document
-            from sluice.bench.scenarios import run_scenarios
+            from sluice.bench.scenarios import failed_scenarios, run_scenarios
             from sluice.bench.table import print_document
 
             def progress(name: str, result: object) -> None:
@@ -68,3 +68,6 @@ def register(app: typer.Typer) -> None:
                 console.print(f"wrote {render(results, plot_out)}")
             except PlotUnavailableError as exc:
                 raise fail(str(exc)) from None
+        if results is not None and failed_scenarios(results):
+            raise fail(f"scenarios failed: {', '.join(failed_scenarios(results))} "
+                       "(their errors are in the table and the JSON)")

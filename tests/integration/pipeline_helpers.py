@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
+
 from sluice.settings import Settings
 
 
@@ -65,3 +67,12 @@ def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str =
     finally:
         worker.kill(signal.SIGTERM)
         worker.kill(signal.SIGKILL)
+
+
+async def drop_schema(settings: Settings) -> None:
+    """Remove a test's database schema (its registry, keys and grants)."""
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
+    finally:
+        await conn.close()

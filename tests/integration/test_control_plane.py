@@ -26,15 +26,10 @@ from sluice.errors import (
     NotFoundError,
 )
 from sluice.settings import Settings
+from tests.integration.pipeline_helpers import drop_schema
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def settings(endpoints, unique_name) -> Settings:
-    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
-                    database_url=endpoints.database_url, db_schema=unique_name,
-                    topic_prefix=unique_name, request_partitions=3)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +48,6 @@ def model_dir(tiny) -> Path:
 def _adapter_dir(tiny_or_path, name: str) -> Path:
     """One of the tiny model's real PEFT adapters (`name` ends in its index)."""
     return tiny_or_path[1][int(name[-1])]
-
-
-async def _drop_schema(settings: Settings) -> None:
-    conn = await asyncpg.connect(settings.database_url)
-    await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
-    await conn.close()
 
 
 async def test_register_update_and_publish(settings, model_dir) -> None:
@@ -118,7 +107,7 @@ async def test_register_update_and_publish(settings, model_dir) -> None:
     deployments = [decode(ModelDeployment, r.value) for r in records]
     assert [d.revision for d in deployments] == [1, 2, 3]
     assert all(r.key == b"tiny" for r in records)
-    await _drop_schema(settings)
+    await drop_schema(settings)
 
 
 async def test_adapter_limit_is_enforced_with_a_clear_message(settings, model_dir, tiny,
@@ -149,7 +138,7 @@ async def test_adapter_limit_is_enforced_with_a_clear_message(settings, model_di
             await cp.register_adapter("tiny", "foreign", str(foreign))
     finally:
         await cp.close()
-    await _drop_schema(settings)
+    await drop_schema(settings)
 
 
 async def test_keys_grants_and_fast_revocation(settings, model_dir) -> None:
@@ -196,7 +185,7 @@ async def test_keys_grants_and_fast_revocation(settings, model_dir) -> None:
         await checker.close()
         await pool.close()
         await cp.close()
-    await _drop_schema(settings)
+    await drop_schema(settings)
 
 
 def test_sdk_control_calls_are_synchronous(settings, model_dir, tiny) -> None:
@@ -214,7 +203,7 @@ def test_sdk_control_calls_are_synchronous(settings, model_dir, tiny) -> None:
         client.keys.grant(key, model="tiny", adapter="support-bot")
         assert key.startswith("sk-sluice-")
         assert [a.name for a in client.adapters.list(model="tiny")] == ["support-bot"]
-    asyncio.run(_drop_schema(settings))
+    asyncio.run(drop_schema(settings))
 
 
 async def test_dependency_timeout_names_the_setting(endpoints, unique_name) -> None:

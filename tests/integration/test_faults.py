@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 import sluice
@@ -18,6 +16,7 @@ from gpu_runtime.tiny import make_tiny_model
 from sluice.errors import RequestError
 from sluice.settings import Settings
 from sluice.worker import Worker, WorkerOptions
+from tests.integration.pipeline_helpers import drop_schema, settings_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,17 +34,7 @@ class FaultyRuntime(Runtime):
         return super().execute(plan)
 
 
-@pytest.fixture
-def settings(endpoints, unique_name) -> Settings:
-    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
-                    database_url=endpoints.database_url, db_schema=unique_name,
-                    topic_prefix=unique_name, request_partitions=2)
 
-
-async def _drop_schema(url: str, schema: str) -> None:
-    conn = await asyncpg.connect(url)
-    await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    await conn.close()
 
 
 async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) -> None:
@@ -77,7 +66,7 @@ async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) ->
         worker.stop()
         await task
         await client.aclose()
-        await _drop_schema(settings.database_url, settings.db_schema)
+        await drop_schema(settings)
 
 
 def _private_infra(tmp_path: Path, offset: int):
@@ -89,9 +78,7 @@ def _private_infra(tmp_path: Path, offset: int):
 
 
 def _worker(settings: Settings, log: Path, model: str = "tiny") -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
-           "SLUICE_DATABASE_URL": str(settings.database_url),
-           "SLUICE_DB_SCHEMA": settings.db_schema, "SLUICE_TOPIC_PREFIX": settings.topic_prefix}
+    env = settings_env(settings)
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--model", model],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -184,4 +171,4 @@ async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
         _end(worker)
         await client.aclose()
         kafka_broker.down(cfg)
-        await _drop_schema(endpoints.database_url, unique_name)
+        await drop_schema(settings)

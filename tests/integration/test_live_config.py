@@ -16,12 +16,6 @@ from tests.integration.pipeline_helpers import worker_process
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture
-def settings(endpoints, unique_name) -> Settings:
-    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
-                    database_url=endpoints.database_url, db_schema=unique_name,
-                    topic_prefix=unique_name, request_partitions=2)
-
 
 async def _terminal_counts(settings: Settings, expected: int) -> dict[str, int]:
     import orjson

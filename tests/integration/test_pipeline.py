@@ -5,37 +5,18 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import asyncpg
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 import sluice
-from gpu_runtime.tiny import make_tiny_model
 from schemas import DeadLetterRecord, DoneEvent, TokenEvent, decode
 from sluice.errors import RequestError, RequestTimeoutError
 from sluice.settings import Settings
-from tests.integration.pipeline_helpers import worker_process
+from tests.integration.pipeline_helpers import drop_schema, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture
-def settings(endpoints, unique_name) -> Settings:
-    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
-                    database_url=endpoints.database_url, db_schema=unique_name,
-                    topic_prefix=unique_name, request_partitions=2)
-
-
-async def _drop_schema(settings: Settings) -> None:
-    conn = await asyncpg.connect(settings.database_url)
-    await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
-    await conn.close()
 
 
 def _setup(settings: Settings, model_dir: Path, **compute: object) -> tuple[sluice.Client, str]:
@@ -108,7 +89,7 @@ async def test_multi_turn_session_reuses_the_kv_cache(settings, tiny_model, tmp_
             assert "sluice_consumer_lag" in metrics and "sluice_kv_blocks_free" in metrics
     finally:
         await client.aclose()
-        await _drop_schema(settings)
+        await drop_schema(settings)
 
 
 async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) -> None:
@@ -159,7 +140,7 @@ async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) ->
             assert worker.proc.poll() is None
     finally:
         await client.aclose()
-        await _drop_schema(settings)
+        await drop_schema(settings)
 
 
 async def test_request_expired_before_any_worker_times_out(settings, tiny_model,
@@ -180,7 +161,7 @@ async def test_request_expired_before_any_worker_times_out(settings, tiny_model,
             assert record["request"]["prompt"] == "too late"
     finally:
         await client.aclose()
-        await _drop_schema(settings)
+        await drop_schema(settings)
 
 
 def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_path) -> None:
@@ -221,7 +202,7 @@ def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_pat
             assert second.returncode == 0, second.stdout + second.stderr + worker.log()
             assert "skipped" in second.stdout and "tokens/s" in second.stdout
     finally:
-        asyncio.run(_drop_schema(settings))
+        asyncio.run(drop_schema(settings))
     outputs = [orjson.loads(raw) for raw in out_path.read_bytes().splitlines() if raw.strip()]
     ids = [o["custom_id"] for o in outputs]
     assert len(ids) == len(set(ids)) == 501
@@ -249,7 +230,7 @@ def test_chat_cli_holds_a_conversation(settings, tiny_model, tmp_path) -> None:
             )
             assert result.returncode == 0, result.stdout + result.stderr + worker.log()
     finally:
-        asyncio.run(_drop_schema(settings))
+        asyncio.run(drop_schema(settings))
     summaries = [line for line in result.stdout.splitlines() if "prompt tokens cached" in line]
     assert len(summaries) == 2, result.stdout
     assert " 0 prompt tokens cached" in summaries[0]
@@ -281,7 +262,7 @@ async def test_tenant_reply_topic_prefix_is_enforced(settings, tiny_model, tmp_p
             stray.cancel()
     finally:
         await client.aclose()
-        await _drop_schema(settings)
+        await drop_schema(settings)
 
 
 async def test_adapters_through_kafka_match_the_runtime_alone(settings, tiny_model,
@@ -308,7 +289,7 @@ async def test_adapters_through_kafka_match_the_runtime_alone(settings, tiny_mod
             assert info.value.code == "unauthorized", worker.log()
     finally:
         await client.aclose()
-        await _drop_schema(settings)
+        await drop_schema(settings)
 
     rt = Runtime(tiny_model, RuntimeConfig(kv_cache_len=2048))
     for i, path in enumerate(adapters):

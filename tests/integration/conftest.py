@@ -1,0 +1,29 @@
+"""Fixtures of the end-to-end tests: a tiny model and per-test settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.tiny import make_tiny_model
+from sluice.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def request_partitions() -> int:
+    """Override in a module to change the partitions of the model's request topic."""
+    return 2
+
+
+@pytest.fixture
+def settings(endpoints, unique_name: str, request_partitions: int) -> Settings:
+    """Settings of one test: its own topic prefix and database schema."""
+    return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                    database_url=endpoints.database_url, db_schema=unique_name,
+                    topic_prefix=unique_name, request_partitions=request_partitions)
