@@ -61,16 +61,41 @@ Multi-LoRA (PEFT adapters on one backbone, batched together in every step)::
   -> AdapterInfo` checks an adapter without loading anything (config.json + headers).
 - KV blocks are keyed by the adapter name (`None` = base): adapters never share KV.
 
+Tensor parallelism (one replica over `tp` GPUs, or `tp` CPU processes)::
+
+    with Runtime("models/tiny", RuntimeConfig(tp=2, device="cuda")) as rt:  # ranks on cuda:0, :1
+        ...                                 # the same API as above; the batcher sees no difference
+
+- This process is rank 0; the constructor spawns ranks 1..tp-1 (`ranks.py`), each
+  loading only its shard from safetensors, and returns when all are ready.
+  `num_attention_heads % tp == 0` is required (`ModelLoadError` otherwise).
+- `execute` broadcasts the step (the scheduled sequences and the adapter slots) to
+  the other ranks, every rank runs its shard, rank 0 samples. `register_adapter` /
+  `unregister_adapter` are broadcast too; slot loads follow rank 0's slots.
+- `close()` (or leaving the `with`) stops the helper ranks and leaves the process
+  group; a no-op at tp=1. Only one tensor-parallel runtime can live in a process at
+  a time: close the old one before building its replacement.
+- A rank that dies or hangs past `RuntimeConfig.tp_timeout_s` makes `execute` (and
+  every later call that needs the ranks) raise `RankFailure`: close the runtime and
+  build a new one. Helpers exit by themselves when rank 0's process dies.
+- `rt.helper_pids`; `memory_plan` is per GPU (weights / tp, this rank's KV heads).
+- Sharding (column/row-parallel projections, KV-head replication, vocab-parallel
+  embeddings and LM head): `gpu_runtime.parallel`. GPU parity check:
+  `python -m gpu_runtime.tp_check --device cuda --tp 2`.
+
 Errors (`gpu_runtime.errors`) carry the wire `code`: `InvalidRequestError`
 (`invalid_request`), `ContextTooLongError` (`context_too_long`),
 `InsufficientMemoryError` (from the planner at load), `ModelLoadError`,
 `SchedulingError` / `OutOfBlocksError` (a plan that does not fit the state),
-`AdapterError` (`invalid_request`, a bad or mismatched adapter).
+`AdapterError` (`invalid_request`, a bad or mismatched adapter), `RankFailure`
+(a tensor-parallel rank is gone; the replica is down).
 
 Layer swaps: every projection is a `layers.Linear` with `forward(x, ctx)`;
 `quantization="fp8"` swaps in `fp8.FP8Linear`; `lora.LoraLinear` wraps either
 (the LoRA delta on top of the FP8 base), reading each row's adapter slot from
-`StepContext.lora`; tensor-parallel linears will plug in the same way.
+`StepContext.lora`; at tp > 1 `parallel.ColumnParallelLinear` /
+`RowParallelLinear` wrap the result (the row-parallel all-reduce, in its
+`forward`, sums base output and LoRA delta once).
 """
 
 from gpu_runtime.block_manager import BlockManager, block_hash
@@ -82,6 +107,7 @@ from gpu_runtime.errors import (
     InvalidRequestError,
     ModelLoadError,
     OutOfBlocksError,
+    RankFailure,
     RequestError,
     RuntimeErrorBase,
     SchedulingError,
@@ -110,6 +136,7 @@ __all__ = [
     "ModelConfig",
     "ModelLoadError",
     "OutOfBlocksError",
+    "RankFailure",
     "RequestError",
     "Runtime",
     "RuntimeConfig",

@@ -11,6 +11,12 @@ does not use.
 
 The slots' width `rank` is the largest rank among resident adapters; when it
 changes, every slot is rewritten at the new width (see lora.py).
+
+Under tensor parallelism every rank has an `AdapterManager` holding its shard
+of each adapter (`layout`: A or B split like the base layer, see
+`ShardLayout.lora_shards`). Rank 0's manager is the one the batcher drives;
+the others copy its slot assignment with `mirror` before each step, so slot
+choice and LRU order live in one place.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import AdapterError, SchedulingError
 from gpu_runtime.lora import LoraLinear
 from gpu_runtime.lora_format import AdapterInfo, load_adapter
+from gpu_runtime.parallel import ShardLayout
 
 HostPair = tuple[torch.Tensor, torch.Tensor]  # (A [r, in], scale * B^T [r, out]), model dtype
 
@@ -45,8 +52,10 @@ class AdapterManager:
         max_lora_rank: int,
         dtype: torch.dtype,
         pin_memory: bool = False,
+        layout: ShardLayout | None = None,
     ) -> None:
         self.model_config = model_config
+        self.layout = layout
         self.layers = layers
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
@@ -74,6 +83,11 @@ class AdapterManager:
         weights = {}
         for key, (a, b) in tensors.items():
             pair = (a.to(self.dtype), (b.T * info.scale).to(self.dtype).contiguous())
+            if self.layout is not None:
+                shards = self.layout.lora_shards(key[1])  # this rank's part, like the base layer
+                pair = tuple(
+                    t if s is None else s.take(t) for t, s in zip(pair, shards, strict=True)
+                )
             weights[key] = tuple(t.pin_memory() for t in pair) if self.pin_memory else pair
         self.adapters[name] = _Adapter(info, weights)
         return info
@@ -133,6 +147,16 @@ class AdapterManager:
         for name in names:
             self.adapters[name].last_used = self._clock
         return {name: self.slots.index(name) for name in names}
+
+    def mirror(self, slots: Sequence[str | None]) -> None:
+        """Take rank 0's slot assignment (tensor parallelism): load what differs."""
+        changed = [i for i, (a, b) in enumerate(zip(self.slots, slots, strict=True)) if a != b]
+        if not changed:
+            return
+        self.slots = list(slots)
+        if not self._set_rank():
+            for slot in changed:
+                self._write(slot, self.slots[slot])
 
     # ---- slots ------------------------------------------------------------------------
 

@@ -61,3 +61,13 @@ class AdapterError(RequestError):
     """A LoRA adapter is missing, malformed, or does not fit the base model / the slots."""
 
     code = "invalid_request"
+
+
+class RankFailure(RuntimeErrorBase):
+    """A tensor-parallel rank died, hung past the collective timeout, or failed to load.
+
+    The replica cannot continue (its ranks no longer agree on what was computed):
+    close the `Runtime` and build a new one.
+    """
+
+    code = "internal"

@@ -1,8 +1,9 @@
 """Small building blocks: the swappable linear layer, RMSNorm, RoPE tables.
 
 Every projection is a `Linear` whose `forward(x, ctx)` receives the step
-context. FP8 (`gpu_runtime.fp8.FP8Linear`), and later LoRA and the
-tensor-parallel column/row linears, are layer swaps with this same signature.
+context. FP8 (`gpu_runtime.fp8.FP8Linear`), LoRA (`gpu_runtime.lora`) and the
+tensor-parallel column/row linears (`gpu_runtime.parallel`) are layer swaps
+with this same signature.
 """
 
 from __future__ import annotations

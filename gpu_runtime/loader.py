@@ -5,6 +5,11 @@ from the safetensors files (memory-mapped) straight onto the target device
 and dtype, and `load_state_dict(assign=True)` makes those tensors the
 parameters. Sharded checkpoints (`model.safetensors.index.json`) and single
 files both work.
+
+Under tensor parallelism (`layout` given) the tree is built with this rank's
+shapes (`ShardLayout.local_config`, vocab-parallel embeddings and LM head) and
+each tensor is read through `get_slice`, only the rows or columns this rank
+holds (`parallel.py`): a rank never holds the whole model.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import ModelLoadError
 from gpu_runtime.model import CausalLM
+from gpu_runtime.parallel import ShardLayout, use_vocab_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,17 +55,24 @@ def load_model(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str,
+    layout: ShardLayout | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> CausalLM:
+    """The model, or with `layout` (and the ranks' `group`) this rank's shard of it."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config)
+        if layout is None:
+            model = CausalLM(config)
+        else:
+            model = CausalLM(layout.local_config())
+            use_vocab_parallel(model, layout, group)
     expected = set(model.state_dict().keys())
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if name in expected:
-                    state[name] = f.get_tensor(name).to(dtype)
+                    state[name] = _read(f, name, layout).to(dtype)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(expected - state.keys())
@@ -75,3 +89,12 @@ def load_model(
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def _read(f: object, name: str, layout: ShardLayout | None) -> torch.Tensor:
+    if layout is None:
+        return f.get_tensor(name)
+    sl = f.get_slice(name)
+    shard = layout.tensor_shard(name)
+    tensor = sl[:] if shard is None else shard.read(sl, len(sl.get_shape()))
+    return torch.zeros_like(tensor) if layout.zero_on_this_rank(name) else tensor

@@ -15,6 +15,11 @@ Per step, `ctx.lora` says which slot each row uses (`context.LoraBatch`):
   (`[k*r, in]`, no copy), and each row's other slots are masked out. That is
   k times the FLOPs of one adapter with no per-row or per-adapter loop; k is
   at most `max_adapters`, and a step on one adapter costs one slot.
+
+Under tensor parallelism the base is this rank's shard and so are the slots
+(A split for row-parallel, B for column-parallel projections; adapters.py
+does the slicing); `parallel.RowParallelLinear` wraps the `LoraLinear`, so
+one all-reduce sums base output and delta.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ All sizes are per device (per GPU of a tensor-parallel group of `tp`):
     weights   embeddings and LM head split over the vocabulary, every projection
               split over tp, norms replicated; FP8 stores projections at one byte
               per weight plus a float32 scale per output channel
-    KV cache  2 (K and V) * layers * ceil(kv_heads / tp) * head_dim * dtype bytes
-              per token, for kv_cache_len tokens, in ceil(kv_cache_len / block_size) blocks
+    KV cache  2 (K and V) * layers * local kv_heads * head_dim * dtype bytes per
+              token (kv_heads / tp, or 1 when tp exceeds kv_heads; odd splits
+              replicate more, see `parallel.num_local_kv_heads`), for kv_cache_len
+              tokens, in ceil(kv_cache_len / block_size) blocks
     reserve   activations of one step of `max_num_batched_tokens` tokens and the
               sampler's float32 logits for `max_num_seqs` rows
     LoRA      max_adapters slots of rank max_lora_rank: A and B of all seven projections
@@ -24,6 +26,7 @@ import torch
 
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import InsufficientMemoryError, ModelLoadError
+from gpu_runtime.parallel import num_local_kv_heads
 
 GIB = 1 << 30
 
@@ -70,7 +73,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def _kv_heads_per_device(config: ModelConfig, tp: int) -> int:
-    return -(-config.num_kv_heads // tp)
+    return num_local_kv_heads(config, tp)
 
 
 def weight_bytes_per_device(config: ModelConfig, req: MemoryRequest) -> int:

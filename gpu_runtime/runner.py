@@ -160,6 +160,8 @@ class ModelRunner:
         """Compute `seqs`; return float32 logits [len(rows_to_sample), vocab].
 
         `rows_to_sample` indexes `seqs`; those sequences' last rows are projected.
+        Under tensor parallelism only rank 0 gets the full vocabulary (see
+        `parallel.VocabParallelLMHead`); the other ranks' return value is unused.
         """
         input_ids, ctx, last_rows = self.build_context(seqs)
         hidden = self.model(input_ids, ctx)  # [T, hidden]

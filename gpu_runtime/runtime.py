@@ -3,6 +3,11 @@
 It owns the sequences, the block manager and the model runner. Each call is
 check-then-act: a bad request is rejected by `add_sequence` before it can
 share a step; a bad plan raises before any state changes.
+
+With `tp > 1` this process is rank 0 of the replica: it spawns the helper
+ranks (`ranks.py`), holds its own shard, and its runner broadcasts each step
+to the others. Everything else — sequences, blocks, adapter slots, sampling —
+lives here only, unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from gpu_runtime.adapters import AdapterManager
 from gpu_runtime.block_manager import BlockManager, block_hash
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import (
@@ -24,12 +28,12 @@ from gpu_runtime.errors import (
     OutOfBlocksError,
     SchedulingError,
 )
-from gpu_runtime.fp8 import quantize_model_fp8
-from gpu_runtime.loader import load_model, resolve_dtype
-from gpu_runtime.lora import apply_lora
+from gpu_runtime.loader import resolve_dtype
 from gpu_runtime.lora_format import AdapterInfo
+from gpu_runtime.parallel import check_tp
 from gpu_runtime.planner import MemoryPlan, MemoryRequest, available_device_bytes, plan_memory
-from gpu_runtime.runner import ModelRunner, ScheduledSeq
+from gpu_runtime.ranks import HelperRanks, TPRunner, build_shard
+from gpu_runtime.runner import ScheduledSeq
 from gpu_runtime.sampling import make_batch, sample
 from gpu_runtime.sequence import (
     SamplingParams,
@@ -56,6 +60,8 @@ class RuntimeConfig:
     seed: int = 0  # of the shared generator used by unseeded requests
     max_adapters: int = 4  # LoRA slots on the device; 0 disables LoRA (no layer swap)
     max_lora_rank: int = 64  # slot capacity; adapters of higher rank are refused
+    tp: int = 1  # ranks (processes, GPUs) this replica is split over; see ranks.py
+    tp_timeout_s: float = 120.0  # a collective waiting longer on a hung rank: RankFailure
 
 
 def _default_dtype(config: ModelConfig, device: torch.device) -> str:
@@ -69,11 +75,13 @@ class Runtime:
         self.config = config = config or RuntimeConfig()
         self.model_config = mc = ModelConfig.from_dir(model_path)
         self.device = torch.device(config.device)
+        check_tp(mc, config.tp)
         dtype = resolve_dtype(config.dtype or _default_dtype(mc, self.device))
         request = MemoryRequest(
             dtype=dtype,
             kv_cache_len=config.kv_cache_len,
             block_size=config.block_size,
+            tp=config.tp,
             quantization=config.quantization,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -82,25 +90,44 @@ class Runtime:
         )
         available = config.memory_budget_bytes or available_device_bytes(self.device)
         self.memory_plan: MemoryPlan = plan_memory(mc, request, available)
-        model = load_model(model_path, mc, dtype, self.device)
-        if config.quantization == "fp8":
-            quantize_model_fp8(model)
         if config.max_adapters < 0 or config.max_lora_rank < 1:
             raise ModelLoadError("need max_adapters >= 0 and max_lora_rank >= 1")
-        lora_layers = {}
-        if config.max_adapters > 0:
-            lora_layers = apply_lora(model, config.max_adapters, config.max_lora_rank, dtype)
-        self.adapters = AdapterManager(
-            mc, lora_layers, config.max_adapters, config.max_lora_rank, dtype,
-            pin_memory=self.device.type == "cuda",
-        )  # fmt: skip
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         num_blocks = self.memory_plan.num_blocks
+        self.ranks: HelperRanks | None = None
+        if config.tp > 1:
+            self.ranks = HelperRanks(model_path, config, dtype, num_blocks, self.max_model_len)
+        try:
+            runner, self.adapters = build_shard(
+                model_path, mc, config, dtype, self.device, num_blocks, self.max_model_len,
+                self.ranks.group if self.ranks is not None else None,
+            )  # fmt: skip
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.runner = runner if self.ranks is None else TPRunner(runner, self.ranks, self.adapters)
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len)
         self.tokenizer = load_tokenizer(model_path)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sequences: dict[str, Sequence] = {}
+
+    def close(self) -> None:
+        """Stop the helper ranks (tp > 1); a no-op at tp=1. The runtime is unusable after."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """Process ids of ranks 1..tp-1 (empty at tp=1)."""
+        return self.ranks.pids if self.ranks is not None else []
 
     # ---- queries --------------------------------------------------------------------
 
@@ -141,14 +168,20 @@ class Runtime:
 
     def register_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         """Validate a PEFT LoRA directory and keep its weights in host memory."""
-        return self.adapters.register(name, path)
+        info = self.adapters.register(name, path)
+        if self.ranks is not None:  # rank 0 validated it: the others load their shards
+            self.ranks.run(("register", name, str(path)))
+        return info
 
     def unregister_adapter(self, name: str) -> bool:
         """Forget an adapter; refused (`AdapterError`) while a sequence uses it."""
         users = [s.seq_id for s in self.sequences.values() if s.adapter_key == name]
         if users:
             raise AdapterError(f"adapter {name!r} is in use by {len(users)} sequences")
-        return self.adapters.unregister(name)
+        removed = self.adapters.unregister(name)
+        if removed and self.ranks is not None:
+            self.ranks.run(("unregister", name))
+        return removed
 
     # ---- sequence lifecycle -----------------------------------------------------------
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import orjson
 import typer
+
+if TYPE_CHECKING:
+    from gpu_runtime import Runtime, SamplingParams
 
 from sluice.cli.common import fail
 
@@ -41,7 +44,9 @@ def register(app: typer.Typer) -> None:
         dtype: Annotated[
             str | None, typer.Option("--dtype", help="float32 | bfloat16 | float16")
         ] = None,
-        tp: Annotated[int, typer.Option("--tp", min=1, help="Local ranks (only 1 for now).")] = 1,
+        tp: Annotated[
+            int, typer.Option("--tp", min=1, help="Tensor-parallel ranks (GPUs; CPU processes).")
+        ] = 1,
         adapter_path: Annotated[
             Path | None, typer.Option("--adapter-path", help="PEFT LoRA adapter directory.")
         ] = None,
@@ -54,10 +59,6 @@ def register(app: typer.Typer) -> None:
             raise fail("give exactly one of --prompt-ids or --prompt", 2)
         if not (model_path / "config.json").is_file():
             raise fail(f"no model at {model_path} (config.json not found)", 2)
-        if tp != 1:
-            raise fail(
-                "--tp > 1 is not supported yet: tensor parallelism comes in a later release", 2
-            )
         if quantization not in ("none", "fp8"):
             raise fail(f"--quantization must be none or fp8, got {quantization!r}", 2)
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -65,7 +66,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = _generate(
                 model_path, prompt_ids, prompt, max_tokens, temperature, top_p, top_k, seed,
-                quantization, device, dtype, adapter_path,
+                quantization, device, dtype, adapter_path, tp,
             )  # fmt: skip
         except RuntimeErrorBase as exc:
             raise fail(str(exc), 2) from None
@@ -88,8 +89,9 @@ def _generate(
     device: str,
     dtype: str | None,
     adapter_path: Path | None,
+    tp: int,
 ) -> dict:
-    from gpu_runtime import ModelConfig, Runtime, RuntimeConfig, SamplingParams, StepPlan
+    from gpu_runtime import ModelConfig, Runtime, RuntimeConfig, SamplingParams
     from gpu_runtime.lora_format import validate_adapter_dir
 
     config = ModelConfig.from_dir(model_path)
@@ -108,8 +110,26 @@ def _generate(
             quantization=quantization,
             max_adapters=1 if adapter_path else 0,
             max_lora_rank=rank,
+            tp=tp,
         ),
     )
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    with rt:  # stops the helper ranks when tp > 1
+        return _run(rt, model_path, ids, prompt, params, adapter_path)
+
+
+def _run(
+    rt: Runtime,
+    model_path: Path,
+    ids: list[int] | None,
+    prompt: str | None,
+    params: SamplingParams,
+    adapter_path: Path | None,
+) -> dict:
+    from gpu_runtime import StepPlan
+
     adapter_key = None
     if adapter_path is not None:
         adapter_key = adapter_path.name or "adapter"
@@ -118,9 +138,6 @@ def _generate(
         if rt.tokenizer is None:
             raise fail(f"--prompt needs {model_path}/tokenizer.json; use --prompt-ids", 2)
         ids = rt.tokenizer.encode(prompt or "").ids
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
-    )
     cached = rt.add_sequence("generate", ids, params, adapter_key=adapter_key)
     plan = {"generate": len(ids) - cached}
     generated: list[int] = []

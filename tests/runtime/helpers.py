@@ -72,3 +72,36 @@ def run_to_completion(
             logits.setdefault(o.seq_id, []).append(out.logits[o.seq_id])
         rt.check_invariants()
     return generated, logits
+
+
+def random_prompts(n: int, vocab: int) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return {f"s{i}": torch.randint(3, vocab, (5 + 6 * i,), generator=g).tolist() for i in range(n)}
+
+
+def run_mixed(
+    rt: Runtime, prompts: dict[str, list[int]], keys: list[str | None]
+) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """Prompt + 20 decode steps per sequence, all in one batch; (tokens, logits)."""
+    tokens = {s: [] for s in prompts}
+    logits = {s: [] for s in prompts}
+    for (seq_id, ids), key in zip(prompts.items(), keys, strict=True):
+        rt.add_sequence(seq_id, ids, greedy(21), adapter_key=key)
+    while rt.sequences:
+        plan = {s: min(8, q.num_uncomputed) for s, q in rt.sequences.items()}
+        out = rt.execute(StepPlan(plan, return_logits=True))
+        for o in out.outputs:
+            tokens[o.seq_id].append(o.token_id)
+            logits[o.seq_id].append(out.logits[o.seq_id])
+    return tokens, {s: torch.stack(v) for s, v in logits.items()}
+
+
+def assert_same_runs(a: tuple, b: tuple, tol: float = 1e-4) -> None:
+    """Equal tokens, logits within `tol`, 21 sampled tokens each (prompt + 20 decodes)."""
+    tokens_a, logits_a = a
+    tokens_b, logits_b = b
+    assert tokens_a == tokens_b
+    for s in logits_a:
+        assert len(tokens_a[s]) == 21
+        diff = (logits_a[s] - logits_b[s]).abs().max().item()
+        assert diff <= tol, f"{s}: max abs diff {diff}"

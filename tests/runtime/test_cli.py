@@ -57,8 +57,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
         res = runner.invoke(app, ["generate", *extra])
         assert res.exit_code == 2, (extra, res.output)
         assert "Traceback" not in res.output
-    res = runner.invoke(app, ["generate", *cases[1][:2], "--prompt-ids", "1", "--tp", "2"])
-    assert res.exit_code == 2 and "not supported yet" in res.output
+    res = runner.invoke(app, ["generate", *cases[1][:2], "--prompt-ids", "1", "--tp", "3"])
+    assert res.exit_code == 2 and "tp=3 does not divide num_attention_heads=4" in res.output
     bad = ["generate", "--model-path", str(model), "--prompt-ids", "1", "--adapter-path"]
     res = runner.invoke(app, [*bad, str(tmp_path)])
     assert res.exit_code == 2 and "adapter_config.json" in res.output
