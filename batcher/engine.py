@@ -66,9 +66,16 @@ class Engine:
         clock: Callable[[], float] = time.time,
         adapters: AdapterSlots | None = None,
         on_step: Callable[[StepStats], None] | None = None,
+        fatal_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.scheduler = Scheduler(runtime, config, clock=clock, adapters=adapters)
         self._on_step = on_step
+        # Errors after which the runtime cannot go on (e.g. a tensor-parallel rank
+        # died): the loop stops without ending any request, so the caller can let
+        # another replica serve them again rather than fail them here.
+        self._fatal_errors = fatal_errors
+        self.fatal: BaseException | None = None
+        self.failed = asyncio.Event()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._rt = runtime
         self._adapters = adapters
@@ -91,7 +98,7 @@ class Engine:
         """Accept nothing new; return once every submitted request has ended."""
         self._closing = True
         self._wakeup.set()
-        while self.scheduler.has_work():
+        while self.scheduler.has_work() and self.fatal is None:
             self._idle.clear()
             await self._idle.wait()
 
@@ -175,6 +182,13 @@ class Engine:
             try:
                 output = await loop.run_in_executor(self._executor, self._execute, plan)
                 self._report_step(plan, time.perf_counter() - started)
+            except self._fatal_errors as exc:
+                _log.error("runtime failed for good: %s: %s", type(exc).__name__, exc)
+                self.fatal = exc
+                self._closing = True
+                self.failed.set()
+                self._idle.set()
+                return
             except Exception as exc:
                 _log.warning("step failed: %s: %s", type(exc).__name__, exc)
                 self._emit(self.scheduler.fail_step(plan, exc))

@@ -27,7 +27,7 @@ from batcher import types as bt
 from batcher.config import BatcherConfig
 from batcher.engine import Engine, StepStats
 from batcher.types import Request
-from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
+from gpu_runtime import RankFailure, Runtime, RuntimeConfig, SamplingParams
 from gpu_runtime.planner import available_device_bytes
 from ingest.consumer import Accepted, RequestIngest
 from ingest.offsets import OffsetTracker
@@ -88,6 +88,7 @@ class Worker:
         self._reload = asyncio.Event()
         self._stopping = asyncio.Event()
         self.num_reloads = 0
+        self.fatal: BaseException | None = None
         self.served_adapters: set[str] = set()
         self._retired_adapters: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
@@ -126,7 +127,7 @@ class Worker:
     async def _shutdown(self, tasks: list[asyncio.Task[None]], watcher: DeploymentWatcher,
                         checker: PermissionChecker, pool: object) -> None:
         self.metrics.set_ready(False)
-        if self.engine is not None:
+        if self.engine is not None and self.fatal is None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(30):
                     await self.engine.drain()
@@ -143,6 +144,8 @@ class Worker:
             await self.ingest.stop()
         if self.engine is not None:
             await self.engine.stop()
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.close)
         await watcher.stop()
         await checker.close()
         await pool.close()  # type: ignore[attr-defined]
@@ -168,12 +171,22 @@ class Worker:
     def _runtime_config(self, dep: ModelDeployment) -> RuntimeConfig:
         cc = dep.compute_config
         return RuntimeConfig(
-            device=self.options.device, dtype=None if cc.dtype == "auto" else cc.dtype,
+            device=self._device(dep), dtype=None if cc.dtype == "auto" else cc.dtype,
             kv_cache_len=cc.kv_cache_len, quantization=cc.quantization,
             memory_budget_bytes=self.options.memory_budget_bytes,
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             max_adapters=self._adapter_slots(dep), max_lora_rank=cc.max_lora_rank,
+            tp=self._tp(dep),
         )
+
+    def _tp(self, dep: ModelDeployment) -> int:
+        return self.options.tp or dep.compute_config.tp
+
+    def _device(self, dep: ModelDeployment) -> str:
+        """Replica k of a GPU host uses GPUs k*tp .. k*tp + tp - 1."""
+        if self.options.device == "cuda":
+            return f"cuda:{self.options.replica * self._tp(dep)}"
+        return self.options.device
 
     async def _load(self, dep: ModelDeployment) -> None:
         started = time.monotonic()
@@ -187,12 +200,25 @@ class Worker:
         self.engine = Engine(runtime, BatcherConfig(
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             max_adapters_per_step=max(1, slots),
-        ), adapters=runtime.adapters if slots > 0 else None, on_step=self._on_step)
+        ), adapters=runtime.adapters if slots > 0 else None, on_step=self._on_step,
+            fatal_errors=(RankFailure,))
         await self.engine.start()
+        self._background.add(task := asyncio.create_task(self._watch_engine(self.engine)))
+        task.add_done_callback(self._background.discard)
         if self.ingest is not None:
             self.ingest.adapters = frozenset(self.served_adapters)
         log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
                  sorted(self.served_adapters), time.monotonic() - started)
+
+    async def _watch_engine(self, engine: Engine) -> None:
+        """A replica whose runtime broke for good stops at once, without answering
+        its in-flight requests: their offsets stay uncommitted and another replica
+        serves them again (attempt + 1)."""
+        await engine.failed.wait()
+        if engine is self.engine:
+            self.fatal = engine.fatal
+            log.error("replica down: %s", engine.fatal)
+            self._stopping.set()
 
     async def _register_adapter(self, name: str, path: str, engine: Engine | None) -> None:
         """Load an adapter's weights into host memory (on the step thread once serving)."""
@@ -379,6 +405,9 @@ class Worker:
             await self.writer.flush()
         await self.ingest.commit()
         await self.engine.stop()
+        if self.runtime is not None:
+            # Only one tensor-parallel runtime may exist per process: close first.
+            await asyncio.to_thread(self.runtime.close)
         await self._load(self.deployment)
         self.num_reloads += 1
         self.metrics.set_ready(True)

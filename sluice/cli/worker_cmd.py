@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import subprocess
+import sys
 from typing import Annotated
 
 import typer
@@ -37,6 +39,9 @@ def register(app: typer.Typer) -> None:
         adapter_slots: Annotated[int | None, typer.Option(
             "--adapter-slots", help="LoRA slots on the device (default: max_adapters).")]
         = None,
+        replicas: Annotated[int | None, typer.Option(
+            "--replicas", help="Replicas on this host (default on cuda: GPUs // tp).")]
+        = None,
         log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     ) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
@@ -56,6 +61,8 @@ def register(app: typer.Typer) -> None:
                                 memory_budget_bytes=None if memory_budget_gib is None
                                 else int(memory_budget_gib * 2**30))
         worker = Worker(settings, options)
+        count = replicas if replicas is not None else _auto_replicas(settings, model, device, tp)
+        children = _spawn_other_replicas(count, replica)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -63,5 +70,60 @@ def register(app: typer.Typer) -> None:
                 loop.add_signal_handler(sig, worker.stop)
             await worker.run()
 
-        uvloop.run(main())
+        try:
+            uvloop.run(main())
+        finally:
+            _stop_children(children)
+        if worker.fatal is not None:
+            logging.getLogger("sluice").error("worker stopped: %s", worker.fatal)
+            raise typer.Exit(3)
         logging.getLogger("sluice").info("worker stopped")
+
+
+def _auto_replicas(settings: object, model: str, device: str, tp: int | None) -> int:
+    """A GPU host runs GPUs // tp replicas of the model; a CPU host runs one."""
+    if not device.startswith("cuda") or ":" in device:
+        return 1
+    import torch
+
+    if tp is None:
+        from sluice.client import Client
+
+        with Client(settings) as client:  # type: ignore[arg-type]
+            tp = client.models.show(model=model).compute_config.tp
+    return max(1, torch.cuda.device_count() // tp)
+
+
+def _spawn_other_replicas(count: int, first: int) -> list[subprocess.Popen[bytes]]:
+    """Replicas first+1 .. first+count-1 as child processes (this one is `first`)."""
+    children = []
+    args = [a for a in sys.argv[1:] if a != "worker"]
+    args = _without_option(_without_option(args, "--replica"), "--replicas")
+    for k in range(first + 1, first + count):
+        cmd = [sys.executable, "-m", "sluice", "worker", *args, "--replica", str(k),
+               "--replicas", "1"]
+        children.append(subprocess.Popen(cmd))
+    return children
+
+
+def _without_option(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(f"{name}="):
+            out.append(arg)
+    return out
+
+
+def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
