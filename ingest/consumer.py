@@ -213,8 +213,8 @@ class RequestIngest:
                 if time.time() >= deadline:
                     return None
                 if not waiting:
-                    log.warning("request %s waits for the permission database: %s",
-                                request.request_id, exc)
+                    log.warning("waiting for the permission database: %s", exc,
+                                extra={"request_id": request.request_id})
                     waiting = True
                 await asyncio.sleep(0.5)
 

@@ -139,6 +139,9 @@ class ResultWriter:
 
     def _observe_end(self, request_id: str, kind: str, code: str | None = None) -> None:
         self._last_token_at.pop(request_id, None)
+        level = logging.DEBUG if kind == "done" else logging.INFO
+        log.log(level, "request ended: %s%s", kind, f" ({code})" if code else "",
+                extra={"request_id": request_id})
         if self.metrics is not None:
             self.metrics.observe_terminal(kind, code)
 

@@ -129,7 +129,7 @@ async def test_database_outage_delays_but_never_skips_the_check(endpoints, uniqu
         assert done.usage.completion_tokens >= 1
         assert worker.poll() is None
         log = (tmp_path / "worker.log").read_text()
-        assert "waits for the permission database" in log
+        assert "waiting for the permission database" in log
     finally:
         _end(worker)
         await client.aclose()

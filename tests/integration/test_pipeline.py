@@ -138,6 +138,10 @@ async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) ->
                 model="tiny", api_key=key, prompt="Still there?", max_tokens=3), 60)
             assert again.usage.completion_tokens >= 1
             assert worker.proc.poll() is None
+            # Structured logs name requests; API keys appear in no log line.
+            log = worker.log()
+            assert '"request_id":"typed-wrong"' in log or "unauthorized" in log
+            assert key not in log and key.split(".")[1] not in log and other not in log
     finally:
         await client.aclose()
         await drop_schema(settings)
