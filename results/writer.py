@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 
+from batcher import types as bt
 from results.context import InFlight
 from schemas import (
     DeadLetterRecord,
@@ -62,6 +63,32 @@ class ResultWriter:
     async def flush(self) -> None:
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def write(self, event: bt.Event) -> None:
+        """One engine event to the wire; `event.origin` is the request's `InFlight`."""
+        ctx: InFlight = event.origin
+        if isinstance(event, bt.TokenEvent):
+            await self.tokens(ctx, list(event.token_ids))
+        elif isinstance(event, bt.DoneEvent):
+            t = event.timing
+            await self.done(
+                ctx, finish_reason=event.finish_reason, token_ids=list(event.token_ids),
+                num_cached_prompt_tokens=event.usage.num_cached_prompt_tokens,
+                timing=Timing(queue_ms=max(0.0, t.queue_ms), ttft_ms=max(0.0, t.ttft_ms),
+                              total_ms=max(0.0, t.total_ms)),
+                adapter=event.adapter_key,
+            )
+        elif isinstance(event, bt.ErrorEvent):
+            try:
+                code = ErrorCode(event.code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            await self.error(ctx, code, event.message)
+        elif isinstance(event, bt.TimeoutEvent):
+            reason = ("predicted to miss max_ttft_ms" if event.early
+                      else "max_ttft_ms passed before the first token")
+            await self.timeout(ctx, event.waited_ms, reason)
+        # Cancelled: no terminal event; the offset stays unfinished and is served again.
 
     async def tokens(self, ctx: InFlight, token_ids: list[int]) -> None:
         text = ctx.decoder.push(token_ids)

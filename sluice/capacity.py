@@ -9,12 +9,16 @@ been seen for `LIVE_WINDOW_S` do not count.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import asyncpg
 
 from schemas import ModelDeployment
 from sluice.errors import InvalidConfigError
 
 LIVE_WINDOW_S = 60
+log = logging.getLogger(__name__)
 
 
 async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: str, pool: str,
@@ -25,6 +29,19 @@ async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: st
         "model = $2, pool = $3, device = $4, device_memory_bytes = $5, last_seen = now()",
         instance_id, model, pool, device, device_memory_bytes,
     )
+
+
+async def heartbeat(pool: asyncpg.Pool, *, instance_id: str, model: str, pool_name: str,
+                    device: str, device_memory_bytes: int, every_s: float = 5.0) -> None:
+    """Record this worker every few seconds, for as long as it runs."""
+    while True:
+        try:
+            async with pool.acquire() as conn:
+                await record_worker(conn, instance_id=instance_id, model=model, pool=pool_name,
+                                    device=device, device_memory_bytes=device_memory_bytes)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            log.warning("heartbeat to PostgreSQL failed: %s", exc)
+        await asyncio.sleep(every_s)
 
 
 async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> None:

@@ -35,11 +35,12 @@ from ingest.permissions import PermissionChecker
 from ingest.prompting import IncrementalDecoder, PromptBuilder
 from results.context import InFlight
 from results.writer import ResultWriter
-from schemas import ErrorCode, ModelDeployment, Timing
-from sluice.capacity import record_worker
+from schemas import ErrorCode, ModelDeployment
+from sluice.capacity import heartbeat
 from sluice.db import create_pool
 from sluice.deployments import DeploymentWatcher
 from sluice.metrics import MetricsServer, WorkerMetrics
+from sluice.served_adapters import ServedAdapters
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self.num_reloads = 0
         self.fatal: BaseException | None = None
-        self.served_adapters: set[str] = set()
-        self._retired_adapters: set[str] = set()
+        self.adapters = ServedAdapters(self.model)
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -193,9 +193,8 @@ class Worker:
         runtime = await asyncio.to_thread(self._runtime_factory, dep.path,
                                           self._runtime_config(dep))
         self.runtime = runtime
-        self.served_adapters = set()
-        for spec in dep.adapters:
-            await self._register_adapter(spec.name, spec.path, None)
+        self.adapters = ServedAdapters(self.model)
+        await self.adapters.load(runtime, dep.adapters)
         slots = self._adapter_slots(dep)
         self.engine = Engine(runtime, BatcherConfig(
             max_num_batched_tokens=self.options.max_num_batched_tokens,
@@ -206,9 +205,9 @@ class Worker:
         self._background.add(task := asyncio.create_task(self._watch_engine(self.engine)))
         task.add_done_callback(self._background.discard)
         if self.ingest is not None:
-            self.ingest.adapters = frozenset(self.served_adapters)
+            self.ingest.adapters = frozenset(self.adapters.names)
         log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
-                 sorted(self.served_adapters), time.monotonic() - started)
+                 sorted(self.adapters.names), time.monotonic() - started)
 
     async def _watch_engine(self, engine: Engine) -> None:
         """A replica whose runtime broke for good stops at once, without answering
@@ -220,44 +219,14 @@ class Worker:
             log.error("replica down: %s", engine.fatal)
             self._stopping.set()
 
-    async def _register_adapter(self, name: str, path: str, engine: Engine | None) -> None:
-        """Load an adapter's weights into host memory (on the step thread once serving)."""
-        assert self.runtime is not None
-        runtime = self.runtime
-        try:
-            if engine is None:
-                await asyncio.to_thread(runtime.register_adapter, name, path)
-            else:
-                await engine.run_between_steps(lambda: runtime.register_adapter(name, path))
-        except Exception as exc:  # a bad adapter must not take the model down
-            log.error("adapter %s of %s not served: %s", name, self.model, exc)
-            return
-        self.served_adapters.add(name)
-
     async def _sync_adapters(self, dep: ModelDeployment) -> None:
         """Adapters added or removed while serving: no reload needed."""
         engine, runtime = self.engine, self.runtime
         if engine is None or runtime is None or self._reload.is_set():
             return
-        wanted = {a.name: a.path for a in dep.adapters}
-        for name in sorted(set(wanted) - self.served_adapters):
-            await self._register_adapter(name, wanted[name], engine)
-        for name in sorted(self.served_adapters - set(wanted)):
-            self.served_adapters.discard(name)
-            self._retired_adapters.add(name)
+        await self.adapters.sync(runtime, engine, dep.adapters)
         if self.ingest is not None:
-            self.ingest.adapters = frozenset(self.served_adapters)
-        await self._drop_retired_adapters()
-
-    async def _drop_retired_adapters(self) -> None:
-        """Unregister removed adapters once no running request uses them."""
-        engine, runtime = self.engine, self.runtime
-        if engine is None or runtime is None:
-            return
-        for name in sorted(self._retired_adapters):
-            dropped = await engine.run_between_steps(lambda n=name: runtime.unregister_adapter(n))
-            if dropped:
-                self._retired_adapters.discard(name)
+            self.ingest.adapters = frozenset(self.adapters.names)
 
     def _apply_placement(self, dep: ModelDeployment) -> None:
         if self.settings.pool in dep.placement.compute_pools:
@@ -292,7 +261,7 @@ class Worker:
             submit=self._submit, on_revoked=self._on_revoked,
         )
         ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
-        ingest.adapters = frozenset(self.served_adapters)
+        ingest.adapters = frozenset(self.adapters.names)
         return ingest
 
     # ---- requests in -----------------------------------------------------------------
@@ -431,31 +400,9 @@ class Worker:
 
     async def _write(self, event: bt.Event) -> None:
         assert self.writer is not None
-        ctx: InFlight = event.origin
-        if isinstance(event, bt.TokenEvent):
-            await self.writer.tokens(ctx, list(event.token_ids))
-            return
-        self.in_flight.pop(event.request_id, None)
-        if isinstance(event, bt.DoneEvent):
-            t = event.timing
-            await self.writer.done(
-                ctx, finish_reason=event.finish_reason, token_ids=list(event.token_ids),
-                num_cached_prompt_tokens=event.usage.num_cached_prompt_tokens,
-                timing=Timing(queue_ms=max(0.0, t.queue_ms), ttft_ms=max(0.0, t.ttft_ms),
-                              total_ms=max(0.0, t.total_ms)),
-                adapter=event.adapter_key,
-            )
-        elif isinstance(event, bt.ErrorEvent):
-            try:
-                code = ErrorCode(event.code)
-            except ValueError:
-                code = ErrorCode.INTERNAL
-            await self.writer.error(ctx, code, event.message)
-        elif isinstance(event, bt.TimeoutEvent):
-            reason = ("predicted to miss max_ttft_ms" if event.early
-                      else "max_ttft_ms passed before the first token")
-            await self.writer.timeout(ctx, event.waited_ms, reason)
-        # Cancelled: no terminal event; the offset stays unfinished and is served again.
+        if not isinstance(event, bt.TokenEvent):
+            self.in_flight.pop(event.request_id, None)
+        await self.writer.write(event)
 
     def _on_step(self, stats: StepStats) -> None:
         self.metrics.observe_step(stats.num_seqs, stats.num_tokens, stats.seconds)
@@ -469,30 +416,23 @@ class Worker:
             engine, runtime, ingest = self.engine, self.runtime, self.ingest
             if engine is None or runtime is None or ingest is None:
                 continue
+            if self.adapters.has_retired:
+                await self.adapters.drop_retired(runtime, engine)
             self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
-            if self._retired_adapters:
-                await self._drop_retired_adapters()
             bm = runtime.block_manager
             self.metrics.set_kv(bm.num_blocks - bm.num_free_blocks, bm.num_free_blocks)
             for tp in ingest.consumer.assignment():
-                high = ingest.consumer.highwater(tp)
-                point = self.tracker.commit_point(tp)
-                if high is not None:
+                high, point = ingest.consumer.highwater(tp), self.tracker.commit_point(tp)
+                if high is not None:  # lag = records not yet finished
                     self.metrics.set_lag(tp.partition, high - (point[0] if point else high))
 
     async def _heartbeat(self, pool: asyncpg.Pool) -> None:
         """Tell the control plane where we run and how much memory a model may use."""
         capacity = self.options.memory_budget_bytes or await asyncio.to_thread(
             available_device_bytes, self.options.device)
-        while True:
-            try:
-                async with pool.acquire() as conn:
-                    await record_worker(conn, instance_id=self.instance_id, model=self.model,
-                                        pool=self.settings.pool, device=self.options.device,
-                                        device_memory_bytes=capacity)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                log.warning("heartbeat to PostgreSQL failed: %s", exc)
-            await asyncio.sleep(5)
+        await heartbeat(pool, instance_id=self.instance_id, model=self.model,
+                        pool_name=self.settings.pool, device=self.options.device,
+                        device_memory_bytes=capacity)
 
     async def _commit_loop(self) -> None:
         assert self.ingest is not None

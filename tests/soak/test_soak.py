@@ -20,7 +20,10 @@ from gpu_runtime.tiny import make_tiny_model
 from sluice.settings import Settings
 from sluice.worker import Worker, WorkerOptions
 
-pytestmark = [pytest.mark.integration, pytest.mark.soak]
+SOAK_SECONDS = float(os.environ.get("SLUICE_SOAK_SECONDS", "600"))
+# The suite-wide per-test timeout is 600 s; a soak needs its length plus set-up.
+pytestmark = [pytest.mark.integration, pytest.mark.soak,
+              pytest.mark.timeout(int(SOAK_SECONDS) + 300)]
 
 
 def _rss_mib() -> float:
@@ -32,7 +35,7 @@ def _rss_mib() -> float:
 
 
 async def test_steady_load_stays_flat(endpoints, unique_name, tmp_path) -> None:
-    seconds = float(os.environ.get("SLUICE_SOAK_SECONDS", "600"))
+    seconds = SOAK_SECONDS
     settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
                         database_url=endpoints.database_url, db_schema=unique_name,
                         topic_prefix=unique_name, request_partitions=4)
