@@ -26,6 +26,7 @@ from aiokafka import TopicPartition
 from batcher import types as bt
 from batcher.config import BatcherConfig
 from batcher.engine import Engine, StepStats
+from batcher.errors import EngineClosedError
 from batcher.types import Request
 from gpu_runtime import RankFailure, Runtime, RuntimeConfig, SamplingParams
 from gpu_runtime.planner import available_device_bytes
@@ -270,7 +271,7 @@ class Worker:
         assert self.ingest is not None
         consumer = self.ingest.consumer
         paused = False
-        while True:
+        while not self._stopping.is_set():
             if self._reload.is_set():
                 await self._drain_and_reload()
             if not self._serving.is_set():
@@ -341,6 +342,9 @@ class Worker:
                 arrival_time=accepted.arrival_time, max_ttft=accepted.max_ttft_ms / 1000,
                 adapter_key=req.adapter, attempt=accepted.attempt, origin=ctx,
             ))
+        except EngineClosedError:
+            # Shutting down: leave it unanswered and uncommitted for the next owner.
+            del self.in_flight[key]
         except Exception as exc:
             del self.in_flight[key]
             await self.writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
