@@ -78,6 +78,15 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
+# Starting a rank (spawn, import torch, rendezvous) can take far longer than a
+# step on a busy host; the short `tp_timeout_s` bounds commands, not start-up.
+STARTUP_TIMEOUT_S = 300.0
+
+
+def startup_timeout(timeout_s: float) -> float:
+    return max(timeout_s, STARTUP_TIMEOUT_S)
+
+
 @dataclass(slots=True)
 class RankGroup:
     """This process's place in a replica and the two groups it talks over."""
@@ -97,7 +106,7 @@ class RankGroup:
             store=store,
             rank=rank,
             world_size=size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=startup_timeout(timeout_s)),
             device_id=device if cuda else None,
         )
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -186,7 +195,8 @@ def _rank_main(spec: _RankSpec) -> None:
     else:  # share the cores with the other ranks instead of oversubscribing them
         torch.set_num_threads(max(1, torch.get_num_threads() // tp))
     store = dist.TCPStore(
-        "127.0.0.1", spec.port, tp, False, timeout=timedelta(seconds=cfg.tp_timeout_s)
+        "127.0.0.1", spec.port, tp, False,
+        timeout=timedelta(seconds=startup_timeout(cfg.tp_timeout_s)),
     )
     try:
         ranks = RankGroup.join(store, spec.rank, tp, device, cfg.tp_timeout_s)
@@ -238,7 +248,7 @@ class HelperRanks:
             )
         tp, self.timeout_s = config.tp, config.tp_timeout_s
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, tp, True, timeout=timedelta(seconds=self.timeout_s),
+            "127.0.0.1", 0, tp, True, timeout=timedelta(seconds=startup_timeout(self.timeout_s)),
             wait_for_workers=False,
         )  # fmt: skip
         self.failure: str | None = None
