@@ -8,6 +8,7 @@ and Java runs `kafka.Kafka`. Storage is formatted on first start.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import re
 import shutil
@@ -141,20 +142,26 @@ def _write_configs(cfg: InfraConfig, paths: dict[str, Path]) -> None:
 def _format_storage(cfg: InfraConfig, paths: dict[str, Path], classpath: str) -> None:
     if (paths["data"] / "meta.properties").exists():
         return
-    cluster_id = _kraft_cluster_id()
+    cluster_id = kraft_cluster_id()
     cmd = [
         "java", "-cp", classpath, "kafka.tools.StorageTool", "format",
-        "-t", cluster_id, "-c", str(paths["props"]), "--standalone", "-g",
+        f"--cluster-id={cluster_id}", "-c", str(paths["props"]), "--standalone", "-g",
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise InfraError(f"formatting Kafka storage failed:\n{result.stdout}{result.stderr}")
 
 
-def _kraft_cluster_id() -> str:
-    import base64
+def kraft_cluster_id() -> str:
+    """A random cluster id in Kafka's form: a UUID as 22 URL-safe base64 characters.
 
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    Like Kafka's own ``Uuid.randomUuid``, never one that begins with ``-``: the storage
+    tool's argument parser would read such an id as an option.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def running_pid(cfg: InfraConfig) -> int | None:
