@@ -40,12 +40,19 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Manifes
     assert proc.returncode == 0, f"check.sh failed:\n{proc.stdout}\n{proc.stderr}"
     return {
         name: [d for d in yaml.safe_load_all((out / f"render-{name}.yaml").read_text()) if d]
-        for name in ("default", "single-pool", "two-pools")
+        for name in ("default", "single-pool", "two-pools", "plain")
     }
 
 
 def of_kind(docs: list[Manifest], kind: str) -> dict[str, Manifest]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workers(docs: list[Manifest]) -> dict[str, Manifest]:
+    """The worker workloads, StatefulSets or Deployments (never both in one render)."""
+    stateful, plain = of_kind(docs, "StatefulSet"), of_kind(docs, "Deployment")
+    assert not (stateful and plain)
+    return stateful or plain
 
 
 def worker_container(deployment: Manifest) -> Manifest:
@@ -58,15 +65,39 @@ def pool_model(deployment: Manifest) -> tuple[str, str]:
     return labels["sluice.dev/pool"], labels["sluice.dev/model"]
 
 
-def test_one_deployment_per_pool_and_model(rendered: dict[str, list[Manifest]]) -> None:
-    pairs = sorted(pool_model(d) for d in of_kind(rendered["two-pools"], "Deployment").values())
+def test_one_workload_per_pool_and_model(rendered: dict[str, list[Manifest]]) -> None:
+    pairs = sorted(pool_model(d) for d in workers(rendered["two-pools"]).values())
     assert pairs == [("pool-a", "llama-70b"), ("pool-a", "llama-8b"), ("pool-b", "llama-70b")]
-    assert [pool_model(d) for d in of_kind(rendered["single-pool"], "Deployment").values()] == [
+    assert [pool_model(d) for d in workers(rendered["single-pool"]).values()] == [
         ("pool-1", "llama-8b")]
 
 
+def test_statefulsets_by_default_deployments_on_request(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    """StatefulSet pod names are stable, and the worker's static group member id is
+    built from the hostname: a restarted pod gets its partitions back."""
+    for name in ("default", "single-pool", "two-pools"):
+        sets = of_kind(rendered[name], "StatefulSet")
+        services = of_kind(rendered[name], "Service")
+        assert sets and services.keys() == sets.keys()
+        for set_name, sts in sets.items():
+            assert sts["spec"]["serviceName"] == set_name
+            assert sts["spec"]["podManagementPolicy"] == "Parallel"
+            assert services[set_name]["spec"]["clusterIP"] == "None"
+            assert services[set_name]["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+        for so in of_kind(rendered[name], "ScaledObject").values():
+            assert so["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    plain = rendered["plain"]
+    assert of_kind(plain, "Deployment") and not of_kind(plain, "StatefulSet")
+    assert not of_kind(plain, "Service") and not of_kind(plain, "ScaledObject")
+    for dep in of_kind(plain, "Deployment").values():
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+        assert dep["spec"]["replicas"] == 1
+
+
 def test_worker_command_env_probes_and_scrape(rendered: dict[str, list[Manifest]]) -> None:
-    for dep in of_kind(rendered["two-pools"], "Deployment").values():
+    for dep in workers(rendered["two-pools"]).values():
         pool, model = pool_model(dep)
         c = worker_container(dep)
         assert c["command"] == ["sluice"]
@@ -93,21 +124,21 @@ def test_worker_command_env_probes_and_scrape(rendered: dict[str, list[Manifest]
 
 def test_gpu_resources_follow_tp(rendered: dict[str, list[Manifest]]) -> None:
     expected = {("pool-a", "llama-70b"): 4, ("pool-a", "llama-8b"): 1, ("pool-b", "llama-70b"): 8}
-    for dep in of_kind(rendered["two-pools"], "Deployment").values():
+    for dep in workers(rendered["two-pools"]).values():
         c = worker_container(dep)
         gpus = expected[pool_model(dep)]
         assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
         assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
         assert c["args"][c["args"].index("--tp") + 1] == str(gpus)
-    (single,) = of_kind(rendered["single-pool"], "Deployment").values()
+    (single,) = workers(rendered["single-pool"]).values()
     resources = worker_container(single)["resources"]
     assert resources["limits"] == {"memory": "96Gi", "nvidia.com/gpu": 1}
     assert resources["requests"]["cpu"] == "8"
 
 
-def test_a_scaled_object_per_deployment(rendered: dict[str, list[Manifest]]) -> None:
+def test_a_scaled_object_per_worker_workload(rendered: dict[str, list[Manifest]]) -> None:
     for name in ("default", "single-pool", "two-pools"):
-        deployments = of_kind(rendered[name], "Deployment")
+        deployments = workers(rendered[name])
         scaled = of_kind(rendered[name], "ScaledObject")
         assert scaled.keys() == deployments.keys()
         for dep_name, so in scaled.items():
@@ -126,9 +157,9 @@ def test_a_scaled_object_per_deployment(rendered: dict[str, list[Manifest]]) -> 
     assert small["spec"]["triggers"][0]["authenticationRef"] == {"name": "sluice-kafka-auth"}
 
 
-def test_pdb_per_deployment(rendered: dict[str, list[Manifest]]) -> None:
+def test_pdb_per_worker_workload(rendered: dict[str, list[Manifest]]) -> None:
     for name in ("default", "single-pool", "two-pools"):
-        deployments = of_kind(rendered[name], "Deployment")
+        deployments = workers(rendered[name])
         pdbs = of_kind(rendered[name], "PodDisruptionBudget")
         assert pdbs.keys() == deployments.keys()
         for dep_name, pdb in pdbs.items():

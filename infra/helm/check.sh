@@ -147,8 +147,10 @@ trap 'rm -rf "$work"' EXIT
 export HELM_CACHE_HOME="$work/helm-cache" HELM_CONFIG_HOME="$work/helm-config" \
     HELM_DATA_HOME="$work/helm-data"
 
-# "plain": no KEDA (fixed replicas), no PDB, and the chart's own database Secret.
+# "plain": Deployments instead of StatefulSets, no KEDA (fixed replicas), no PDB,
+# and the chart's own database Secret.
 cat >"$work/values-plain.yaml" <<'YAML'
+worker: {kind: Deployment}
 keda: {enabled: false}
 podDisruptionBudget: {enabled: false}
 database: {url: "postgresql://sluice@postgres:5432/sluice"}
@@ -200,6 +202,9 @@ pools: [{name: "-bad", models: [tiny], replicas: {min: 1, max: 2}}]
 YAML
 refuse "must be >= 1 and >= replicas.min" <<'YAML'
 pools: [{name: p, models: [tiny], replicas: {min: 3, max: 2}}]
+YAML
+refuse "is not StatefulSet or Deployment" <<'YAML'
+worker: {kind: DaemonSet}
 YAML
 
 if [[ -n "$out" ]]; then

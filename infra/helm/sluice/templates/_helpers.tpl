@@ -88,6 +88,15 @@ with the model entry's overrides, validated. Rendered as JSON for fromJson:
 {{- dict "items" $items | toJson -}}
 {{- end -}}
 
+{{/* The workload kind of every worker: StatefulSet (stable member ids) or Deployment. */}}
+{{- define "sluice.workerKind" -}}
+{{- $kind := .Values.worker.kind | default "StatefulSet" -}}
+{{- if not (has $kind (list "StatefulSet" "Deployment")) -}}
+{{- fail (printf "worker.kind %q is not StatefulSet or Deployment" (toString $kind)) -}}
+{{- end -}}
+{{- $kind -}}
+{{- end -}}
+
 {{/* Labels telling one (pool, model) worker from another; call with (dict "root" $ "w" $worker). */}}
 {{- define "sluice.workerLabels" -}}
 app.kubernetes.io/component: worker
