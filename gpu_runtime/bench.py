@@ -3,7 +3,8 @@
 `bench_runtime(device, quick)` measures decode tokens/s at batch 1/8/32/64 and
 prefill tokens/s, Hugging Face `generate` on the same weights (when
 transformers is installed), and the machine's limits: memory bandwidth (a
-large tensor copy) and matmul FLOP/s at the decode shapes. Fractions:
+1 GiB read; a copy is reported beside it) and matmul FLOP/s at the decode
+shapes. Fractions:
 
     batch-1 decode   bytes of weights read per step * steps/s  /  bandwidth
     batch-B decode   2 * params * B * steps/s  /  matmul FLOP/s at [B, hidden] shapes
@@ -121,11 +122,24 @@ def _hf_decode_tps(path: Path, batch: int, steps: int, device: str) -> float | N
 def _machine_limits(
     device: str, hidden: int, inter: int, batches: list[int], sync: Callable[[], None]
 ) -> dict:
-    src = torch.empty(64 << 20, dtype=torch.float32, device=device).normal_()  # 256 MiB
+    # Decoding reads weights and writes almost nothing, so the limit is a large read:
+    # 1 GiB, well past any last-level cache (this host's L3 holds 260 MiB), read by a
+    # sum and by a matrix-vector product (decoding's own access pattern); the faster
+    # counts. A copy (read + write) is reported beside it.
+    src = torch.ones(256 << 20, dtype=torch.float32, device=device)  # 1 GiB
+    ones = torch.ones(1024, dtype=torch.float32, device=device)
+    reads = {"sum": lambda: src.sum(), "mv": lambda: torch.mv(src.view(-1, 1024), ones)}
+    read_s = float("inf")
+    for read in reads.values():
+        read()
+        read_s = min(read_s, *(_timed(read, sync) for _ in range(3)))
+    read_bandwidth = src.numel() * 4 / read_s
+    del src
+    src = torch.ones(64 << 20, dtype=torch.float32, device=device)  # 256 MiB each way
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = min(_timed(lambda: dst.copy_(src), sync) for _ in range(3))
-    bandwidth = 2 * src.numel() * 4 / seconds  # read + write
+    copy_s = min(_timed(lambda: dst.copy_(src), sync) for _ in range(3))
+    copy_bandwidth = 2 * src.numel() * 4 / copy_s  # read + write
     flops = {}
     shapes = [(hidden, hidden), (inter, hidden), (hidden, inter)]
     weights = [torch.randn(o, i, device=device) for o, i in shapes]
@@ -140,7 +154,8 @@ def _machine_limits(
         mm()
         seconds = min(_timed(mm, sync) for _ in range(3))
         flops[b] = 20 * sum(2 * b * w.numel() for w in weights) / seconds
-    return {"memory_bandwidth_bytes_s": bandwidth, "matmul_flops": flops}
+    return {"memory_bandwidth_bytes_s": read_bandwidth, "copy_bandwidth_bytes_s": copy_bandwidth,
+            "matmul_flops": flops}
 
 
 def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
@@ -174,6 +189,7 @@ def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
         "prefill_tokens_s": prefill,
         "hf_generate_decode_tokens_s": hf,
         "memory_bandwidth_gb_s": bw / 1e9,
+        "copy_bandwidth_gb_s": limits["copy_bandwidth_bytes_s"] / 1e9,
         "matmul_gflops": {b: f / 1e9 for b, f in limits["matmul_flops"].items()},
         "batch1_fraction_of_bandwidth": decode[1] * step_params * 4 / bw,
         "fraction_of_matmul_limit": {

@@ -4,6 +4,10 @@ An idempotent producer (acks=all) writes every event, keyed by request id.
 Tokens are not awaited one by one; a terminal event is, and only once the
 broker has acknowledged it is the request's offset marked finished — the
 commit point never passes a request whose terminal event could still be lost.
+While the broker is away the producer keeps retrying a sent record (it does
+not fail it after its request timeout once the partition's leader is known),
+so a terminal event sent during an outage is delivered when the broker returns
+(tested in tests/integration/test_faults.py).
 """
 
 from __future__ import annotations
@@ -179,9 +183,21 @@ class ResultWriter:
         self._track(future, ctx.topic_partition, ctx.offset)
 
     async def _send(self, topic: str, key: str, value: bytes) -> None:
-        future = await self._producer.send(topic, value, key=key.encode())
+        """A record that finishes nothing (tokens, the timeouts log): a failure is
+        logged and never keeps the request's terminal event from being sent."""
+        try:
+            future = await self._producer.send(topic, value, key=key.encode())
+        except Exception as exc:
+            log.warning("a record to %s could not be sent: %s", topic, exc)
+            return
         self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+
+        def sent(fut: asyncio.Future[object]) -> None:
+            self._pending.discard(fut)
+            if not fut.cancelled() and fut.exception() is not None:
+                log.warning("a record to %s was not acknowledged: %s", topic, fut.exception())
+
+        future.add_done_callback(sent)
 
     def _track(self, future: asyncio.Future[object], tp: object, offset: int) -> None:
         self._pending.add(future)

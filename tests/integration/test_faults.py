@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 import sluice
@@ -172,3 +173,65 @@ async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
         await client.aclose()
         kafka_broker.down(cfg)
         await drop_schema(settings)
+
+
+async def test_a_terminal_event_sent_while_the_broker_is_away_lands_when_it_returns(
+    tmp_path, unique_name
+) -> None:
+    """The broker is away for several times the producer's request timeout: the
+    terminal event is not acknowledged meanwhile and its input offset is not marked
+    finished (the commit point must not pass it); once the broker is back the
+    event lands, exactly once, and only then is the offset finished."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from infra import kafka_broker
+    from results.writer import ResultWriter
+    from schemas import ErrorCode
+
+    cfg = _private_infra(tmp_path, 10)
+    bootstrap = str((await asyncio.to_thread(kafka_broker.up, cfg))["bootstrap"])
+    settings = Settings(kafka_bootstrap=bootstrap, database_url="postgresql://unused",
+                        topic_prefix=unique_name, client={"timeout_secs": 2})
+    reply_topic = f"{unique_name}.replies"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    await admin.create_topics([NewTopic(reply_topic, 1, 1)])
+    await admin.close()
+    finished: list[tuple[object, int]] = []
+    writer = ResultWriter(settings, lambda tp, offset: finished.append((tp, offset)), "tiny")
+    await writer.start()
+    request_tp = TopicPartition(f"{unique_name}.requests.tiny", 0)
+    try:
+        await writer.error_without_context(tp=request_tp, offset=0, reply_topic=reply_topic,
+                                           request_id="before", code=ErrorCode.INTERNAL,
+                                           message="sent while the broker is up")
+        await writer.flush()
+        assert finished == [(request_tp, 0)]
+
+        await asyncio.to_thread(kafka_broker.down, cfg)
+        await writer.error_without_context(tp=request_tp, offset=1, reply_topic=reply_topic,
+                                           request_id="during", code=ErrorCode.INTERNAL,
+                                           message="sent while the broker is away")
+        await asyncio.sleep(6)  # three request timeouts
+        assert finished == [(request_tp, 0)]  # not acknowledged: not finished
+        await asyncio.to_thread(kafka_broker.up, cfg)
+        await asyncio.wait_for(writer.flush(), 120)
+        assert finished == [(request_tp, 0), (request_tp, 1)]
+    finally:
+        await asyncio.to_thread(kafka_broker.up, cfg)  # stopping the producer needs it
+        await writer.stop()
+
+    consumer = AIOKafkaConsumer(reply_topic, bootstrap_servers=bootstrap,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        seen: list[str] = []
+        async with asyncio.timeout(60):
+            while len(seen) < 2:
+                for records in (await consumer.getmany(timeout_ms=1000)).values():
+                    seen += [orjson.loads(r.value)["request_id"] for r in records]
+        assert seen == ["before", "during"]
+    finally:
+        await consumer.stop()
+        await asyncio.to_thread(kafka_broker.down, cfg)
