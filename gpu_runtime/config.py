@@ -47,6 +47,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     architecture: str = "LlamaForCausalLM"
+    # Window of sliding-window attention (Mistral; Qwen2 with use_sliding_window),
+    # None when every layer attends to the whole context. Not implemented as a
+    # window: the runtime caps contexts at it, where both are the same.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -81,6 +85,7 @@ class ModelConfig:
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
                 torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
                 architecture=arch,
+                sliding_window=_sliding_window(raw),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
@@ -101,6 +106,41 @@ class ModelConfig:
             if gen_eos:
                 config = replace(config, eos_token_ids=gen_eos)
         return config
+
+
+def context_limit(config: ModelConfig, max_model_len: int | None) -> int:
+    """The longest context (prompt + output) served: `max_model_len`, by default the
+    model's max_position_embeddings — and never beyond a sliding attention window.
+
+    Up to its window, sliding-window attention is ordinary causal attention, so
+    capping the context there keeps every output exact without a windowed kernel.
+    """
+    limit = max_model_len or config.max_position_embeddings
+    window = config.sliding_window
+    if window is None or limit <= window:
+        return limit
+    if max_model_len is not None:
+        raise ModelLoadError(
+            f"max_model_len={max_model_len} exceeds this model's sliding attention window "
+            f"({window} tokens); sluice serves such models up to the window: set "
+            f"max_model_len <= {window}"
+        )
+    return window
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window if any layer uses one (HF's Mistral/Qwen2 conventions)."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        uses_window = "sliding_attention" in layer_types
+    elif "use_sliding_window" in raw:  # Qwen2 without layer_types
+        uses_window = bool(raw["use_sliding_window"])
+    else:  # Mistral: a window given is a window used
+        uses_window = True
+    return int(window) if uses_window else None
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.block_manager import BlockManager, block_hash
-from gpu_runtime.config import ModelConfig
+from gpu_runtime.config import ModelConfig, context_limit
 from gpu_runtime.errors import (
     AdapterError,
     ContextTooLongError,
@@ -92,7 +92,7 @@ class Runtime:
         self.memory_plan: MemoryPlan = plan_memory(mc, request, available)
         if config.max_adapters < 0 or config.max_lora_rank < 1:
             raise ModelLoadError("need max_adapters >= 0 and max_lora_rank >= 1")
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = context_limit(mc, config.max_model_len)
         num_blocks = self.memory_plan.num_blocks
         self.ranks: HelperRanks | None = None
         if config.tp > 1:

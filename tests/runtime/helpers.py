@@ -22,14 +22,17 @@ BASE = dict(
 )
 
 
-def make_hf_checkpoint(path: Path, seed: int = 0, **overrides: object) -> tuple[Path, object]:
-    """Save a random LlamaForCausalLM (float32) to `path`; return (path, hf_model)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_hf_checkpoint(path: Path, seed: int = 0, arch: str = "llama",
+                       **overrides: object) -> tuple[Path, object]:
+    """Save a random HF causal LM (float32; `arch` llama, mistral or qwen2) to `path`;
+    return (path, hf_model)."""
+    import transformers
 
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[arch]
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**BASE, **overrides})
+    config = getattr(transformers, f"{prefix}Config")(**{**BASE, **overrides})
     config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).eval()
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():  # the norms init to exactly 1; perturb them so they are tested
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -1,4 +1,5 @@
-"""Logits and greedy tokens equal Hugging Face `LlamaForCausalLM` on the same weights."""
+"""Logits and greedy tokens equal Hugging Face (`LlamaForCausalLM`, and Mistral and
+Qwen2, the other supported architectures) on the same weights."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ VARIANTS = {
             original_max_position_embeddings=64,
         ),
     ),
+    # Mistral with a sliding window wider than every test context (prompt 23 +
+    # 20 tokens): the runtime caps contexts at the window, where the two agree.
+    "mistral_window": dict(arch="mistral", sliding_window=64),
+    # Qwen2: q/k/v biases without an `attention_bias` key.
+    "qwen2": dict(arch="qwen2", num_key_value_heads=1),
 }
 
 
@@ -92,3 +98,42 @@ def test_batch7_ragged_mixed_steps_match_hf(checkpoint):
         assert diff <= TOL, f"{s}: max abs diff {diff}"
         assert tokens[s] == ref.argmax(-1).tolist()
     assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    from gpu_runtime import ContextTooLongError, ModelLoadError
+
+    path, _ = make_hf_checkpoint(tmp_path, arch="mistral", sliding_window=48)
+    rt = make_runtime(path)
+    assert rt.model_config.sliding_window == 48
+    assert rt.max_model_len == 48  # not max_position_embeddings (512)
+    with pytest.raises(ContextTooLongError, match="limit is 47"):
+        rt.add_sequence("long", _prompt(48, 2), greedy(4))
+    rt.add_sequence("fits", _prompt(40, 2), greedy(20))
+    plan = {"fits": 40}
+    steps = 0
+    while rt.sequences:
+        out = rt.execute(StepPlan(plan))
+        plan = {"fits": 1}
+        steps += 1
+    assert out.outputs[0].finish_reason == "length"
+    assert steps == 8  # 40 + 8 = 48 tokens: the window, never beyond
+    with pytest.raises(ModelLoadError, match="sliding attention window"):
+        make_runtime(path, max_model_len=100)
+
+
+def test_qwen2_window_only_when_used(tmp_path):
+    from gpu_runtime.config import ModelConfig
+
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "sliding_window": 32}
+    assert ModelConfig.from_dict({**base, "use_sliding_window": False}).sliding_window is None
+    assert ModelConfig.from_dict({**base, "use_sliding_window": True}).sliding_window == 32
+    layers = {"layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_dict({**base, **layers}).sliding_window == 32
+    assert ModelConfig.from_dict(
+        {**base, "layer_types": ["full_attention"] * 2}).sliding_window is None
+    mistral = {**base, "architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_dict(mistral).sliding_window == 32
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).sliding_window is None
