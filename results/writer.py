@@ -7,7 +7,9 @@ commit point never passes a request whose terminal event could still be lost.
 While the broker is away the producer keeps retrying a sent record (it does
 not fail it after its request timeout once the partition's leader is known),
 so a terminal event sent during an outage is delivered when the broker returns
-(tested in tests/integration/test_faults.py).
+(tested in tests/integration/test_faults.py). A terminal event the reply topic
+refuses for good (authorization, record size, invalid topic) dead-letters the
+request with the reason instead, so no offset is stuck behind it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from batcher import types as bt
 from results.context import InFlight
@@ -38,6 +41,13 @@ from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# A terminal event the producer will not take (its reply topic has no metadata:
+# deleted, or the broker away) is tried this many times, RESEND_BACKOFF_S apart
+# and each try waiting up to the request timeout, before the request is
+# dead-lettered instead.
+TERMINAL_SEND_TRIES = 10
+RESEND_BACKOFF_S = 1.0
+
 OnFinished = Callable[[object, int], None]
 
 
@@ -55,21 +65,43 @@ class ResultWriter:
             max_request_size=8 * 1024 * 1024,
         )
         self._pending: set[asyncio.Future[object]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._closing = False
         self.num_terminal = 0
 
     async def start(self) -> None:
         await self._producer.start()
 
     async def stop(self) -> None:
+        self._closing = True  # terminal events still being retried stop at their next try
         await self.flush()
         await self._producer.stop()
 
     async def flush(self) -> None:
-        if self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        """Wait until every record sent so far is acknowledged or has failed (and any
+        dead-lettering that a failure started)."""
+        while self._pending or self._background:
+            await asyncio.wait([*self._pending, *self._background])
 
     async def write(self, event: bt.Event) -> None:
-        """One engine event to the wire; `event.origin` is the request's `InFlight`."""
+        """One engine event to the wire; `event.origin` is the request's `InFlight`.
+
+        If building a terminal event fails (a detokenizer error, say), the request
+        still ends: with `error` `internal` saying why."""
+        try:
+            await self._write_event(event)
+        except KafkaError:
+            raise
+        except Exception as exc:
+            if isinstance(event, bt.TokenEvent):
+                log.exception("a token event could not be built; the done event carries "
+                              "every token")
+                return
+            log.exception("a terminal event could not be built")
+            await self.error(event.origin, ErrorCode.INTERNAL,
+                             f"the reply could not be built: {type(exc).__name__}: {exc}")
+
+    async def _write_event(self, event: bt.Event) -> None:
         ctx: InFlight = event.origin
         if isinstance(event, bt.TokenEvent):
             await self.tokens(ctx, list(event.token_ids))
@@ -177,10 +209,58 @@ class ResultWriter:
             self.metrics.observe_terminal(kind, code)
 
     async def _terminal(self, ctx: InFlight, value: bytes) -> None:
-        future = await self._producer.send(ctx.reply_topic, value,
-                                           key=ctx.request.request_id.encode())
         self.num_terminal += 1
-        self._track(future, ctx.topic_partition, ctx.offset)
+        await self._send_terminal(ctx, value, TERMINAL_SEND_TRIES)
+
+    async def _send_terminal(self, ctx: InFlight, value: bytes, tries_left: int) -> None:
+        try:
+            future = await self._producer.send(ctx.reply_topic, value,
+                                               key=ctx.request.request_id.encode())
+        except KafkaError as exc:  # the producer would not take it (no topic metadata, ...)
+            if self._closing:
+                log.error("terminal event for offset %s of %s not sent (%s); it stays "
+                          "unfinished", ctx.offset, ctx.topic_partition, exc)
+            elif _retriable(exc) and tries_left > 1:
+                log.warning("terminal event to %s not sent yet (%s); trying again",
+                            ctx.reply_topic, exc, extra={"request_id": ctx.request.request_id})
+                self._in_background(self._send_terminal_later(ctx, value, tries_left - 1))
+            else:
+                await self._undeliverable(ctx, exc)
+            return
+        self._track(future, ctx.topic_partition, ctx.offset, fallback=ctx)
+
+    async def _send_terminal_later(self, ctx: InFlight, value: bytes, tries_left: int) -> None:
+        # In the background: one request's unavailable reply topic never holds up others.
+        await asyncio.sleep(RESEND_BACKOFF_S)
+        await self._send_terminal(ctx, value, tries_left)
+
+    def _in_background(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _undeliverable(self, ctx: InFlight, exc: BaseException) -> None:
+        """The reply topic refuses the terminal event for good (authorization, size,
+        invalid topic): the request goes to the dead-letter topic with the reason, and
+        its offset is finished once that is acknowledged — never silently stuck."""
+        reason = (f"the request's terminal event could not be written to its reply topic "
+                  f"{ctx.reply_topic!r}: {type(exc).__name__}: {exc}")
+        log.error("%s; dead-lettering the request", reason,
+                  extra={"request_id": ctx.request.request_id})
+        tp = ctx.topic_partition
+        key = ctx.request.partition_key.encode()  # the request record's own key
+        record = DeadLetterRecord.of(reason=reason, topic=tp.topic, partition=tp.partition,
+                                     offset=ctx.offset, key=key, value=encode(ctx.request))
+        if self.metrics is not None:
+            self.metrics.observe_dead_letter()
+        try:
+            future = await self._producer.send(self.settings.topic("deadletter"),
+                                               encode(record), key=key)
+        except KafkaError as dlq_exc:
+            log.error("dead-lettering offset %s of %s failed too (%s); it stays unfinished",
+                      ctx.offset, tp, dlq_exc)
+            return
+        self._track(future, tp, ctx.offset)
 
     async def _send(self, topic: str, key: str, value: bytes) -> None:
         """A record that finishes nothing (tokens, the timeouts log): a failure is
@@ -199,16 +279,27 @@ class ResultWriter:
 
         future.add_done_callback(sent)
 
-    def _track(self, future: asyncio.Future[object], tp: object, offset: int) -> None:
+    def _track(self, future: asyncio.Future[object], tp: object, offset: int,
+               fallback: InFlight | None = None) -> None:
+        """Finish `offset` once `future` is acknowledged. A terminal event refused for
+        good goes to the dead-letter topic instead (`fallback`: its request)."""
         self._pending.add(future)
 
         def acked(fut: asyncio.Future[object]) -> None:
             self._pending.discard(fut)
-            if fut.cancelled() or fut.exception() is not None:
-                # Not acknowledged: leave the offset unfinished so it is served again.
-                log.error("terminal event for offset %s of %s not acknowledged: %s",
-                          offset, tp, None if fut.cancelled() else fut.exception())
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is None and not fut.cancelled():
+                self._on_finished(tp, offset)
                 return
-            self._on_finished(tp, offset)
+            if fallback is not None and exc is not None and not _retriable(exc):
+                self._in_background(self._undeliverable(fallback, exc))
+                return
+            # Not acknowledged: leave the offset unfinished so it is served again.
+            log.error("record finishing offset %s of %s not acknowledged: %s", offset, tp, exc)
 
         future.add_done_callback(acked)
+
+
+def _retriable(exc: BaseException) -> bool:
+    """Errors that pass with time (the broker away, leadership moving)."""
+    return isinstance(exc, KafkaTimeoutError) or bool(getattr(exc, "retriable", False))

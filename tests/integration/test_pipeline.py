@@ -147,6 +147,52 @@ async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) ->
         await drop_schema(settings)
 
 
+async def test_a_terminal_the_reply_topic_refuses_dead_letters_the_request(
+    settings, tiny_model, tmp_path
+) -> None:
+    """The reply topic takes no record as large as the `done` event (a broker-side
+    refusal that no retry fixes): the request is dead-lettered with the reason,
+    and its offset is committed past — nothing is lost, nothing is stuck."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from schemas import InferenceRequest
+
+    client, key = _setup(settings, tiny_model)
+    small = f"{settings.topic_prefix}.small-replies"
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(small, 1, 1,
+                                            topic_configs={"max.message.bytes": "200"})])
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            refused = asyncio.create_task(client.complete(
+                model="tiny", api_key=key, prompt="a long answer please", max_tokens=48,
+                stream=False, reply_topic=small, request_id="too-big"))
+            dead = await _read_until(settings, settings.topic("deadletter"), bool, 120)
+            record = decode(DeadLetterRecord, dead[0].value)
+            assert "could not be written to its reply topic" in record.reason, worker.log()
+            assert small in record.reason and "MessageSizeTooLarge" in record.reason
+            assert decode(InferenceRequest, record.value()).request_id == "too-big"
+            assert record.topic == settings.requests_topic("tiny")
+            refused.cancel()
+
+            after = await asyncio.wait_for(client.complete(
+                model="tiny", api_key=key, prompt="and a normal one", max_tokens=3), 60)
+            assert after.usage.completion_tokens >= 1
+            async with asyncio.timeout(30):  # the commit point moves past the refused one
+                while True:
+                    offsets = await admin.list_consumer_group_offsets(settings.topic("tiny"))
+                    committed = {tp.partition: o.offset for tp, o in offsets.items()}
+                    if committed.get(record.partition, -1) > record.offset:
+                        break
+                    await asyncio.sleep(0.5)
+            assert worker.proc.poll() is None
+    finally:
+        await admin.close()
+        await client.aclose()
+        await drop_schema(settings)
+
+
 async def test_request_expired_before_any_worker_times_out(settings, tiny_model,
                                                            tmp_path) -> None:
     client, key = _setup(settings, tiny_model)
