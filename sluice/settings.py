@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     db_schema: str = Field(default="sluice", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     # Partitions of a model's request topic when it is registered.
     request_partitions: int = Field(default=8, ge=1, le=4096)
+    # Replication factor of the topics sluice creates; None: min(3, brokers).
+    topic_replication_factor: int | None = Field(default=None, ge=1, le=32)
     # The worker's Prometheus endpoint (/metrics, /healthz, /readyz); 0 = any free port.
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     topic_prefix: str = Field(default="sluice", pattern=r"^[A-Za-z0-9_-]{1,64}$")

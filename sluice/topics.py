@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
+from sluice.errors import InvalidConfigError
 from sluice.settings import Settings
 from sluice.timeouts import dependency_call
+
+# Kafka protocol error codes of a CreateTopics answer.
+TOPIC_ALREADY_EXISTS = 36
+INVALID_REPLICATION_FACTOR = 38
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,21 +76,40 @@ class TopicAdmin:
     async def __aexit__(self, *exc: object) -> None:
         await self._admin.close()
 
+    async def replication_factor(self) -> int:
+        """`SLUICE_TOPIC_REPLICATION_FACTOR`, else min(3, brokers in the cluster): 1 on
+        the local broker, 3 on a production cluster."""
+        if self._settings.topic_replication_factor is not None:
+            return self._settings.topic_replication_factor
+        cluster = await dependency_call("describing the Kafka cluster",
+                                        self._admin.describe_cluster(),
+                                        self._settings.client.timeout_secs)
+        return max(1, min(3, len(cluster["brokers"])))
+
     async def ensure(self, specs: list[TopicSpec]) -> list[str]:
         """Create the topics that do not exist yet; returns the names created."""
         existing = set(await self.list_topics())
         missing = [s for s in specs if s.name not in existing]
         created = []
+        replicas = await self.replication_factor() if missing else 1
         for spec in missing:
-            topic = NewTopic(spec.name, spec.partitions, 1, topic_configs=spec.configs)
-            try:
-                await dependency_call(
-                    f"creating topic {spec.name}", self._admin.create_topics([topic]),
-                    self._settings.client.timeout_secs,
-                )
-                created.append(spec.name)
-            except TopicAlreadyExistsError:
-                pass
+            topic = NewTopic(spec.name, spec.partitions, replicas, topic_configs=spec.configs)
+            response = await dependency_call(
+                f"creating topic {spec.name}", self._admin.create_topics([topic]),
+                self._settings.client.timeout_secs,
+            )
+            # aiokafka reports a refused creation in the response, not by raising.
+            for name, code, message in response.topic_errors:
+                if code == TOPIC_ALREADY_EXISTS:
+                    continue
+                if code != 0:
+                    raise InvalidConfigError(
+                        f"creating topic {name} ({spec.partitions} partitions, replication "
+                        f"factor {replicas}) failed: {message or f'error code {code}'}"
+                        + (" — set SLUICE_TOPIC_REPLICATION_FACTOR"
+                           if code == INVALID_REPLICATION_FACTOR else "")
+                    )
+                created.append(name)
         return created
 
     async def list_topics(self) -> list[str]:

@@ -170,7 +170,7 @@ def test_pdb_per_worker_workload(rendered: dict[str, list[Manifest]]) -> None:
 def _topic_script(docs: list[Manifest]) -> list[str]:
     (job,) = of_kind(docs, "Job").values()
     hooks = job["metadata"]["annotations"]["helm.sh/hook"].split(",")
-    assert sorted(hooks) == ["post-install", "post-upgrade"]
+    assert sorted(hooks) == ["pre-install", "pre-upgrade"]  # before any worker
     (container,) = job["spec"]["template"]["spec"]["containers"]
     return [line.strip() for line in container["args"][0].splitlines()
             if line.strip().startswith("create ")]

@@ -136,3 +136,42 @@ async def test_database_read_write(endpoints, pg_schema) -> None:
         await conn.close()
     assert [r["body"] for r in rows] == ["a", "b"]
     assert version
+
+
+async def test_sluice_creates_topics_at_the_replication_factor_the_cluster_allows(
+    endpoints, unique_name
+) -> None:
+    from sluice.errors import InvalidConfigError
+    from sluice.settings import Settings
+    from sluice.topics import TopicAdmin, request_topic, shared_topics
+
+    settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                        database_url=endpoints.database_url, topic_prefix=unique_name)
+    async with TopicAdmin(settings) as admin:
+        assert await admin.replication_factor() == 1  # min(3, one broker)
+        specs = [*shared_topics(settings), request_topic(settings, "m", 3)]
+        assert sorted(await admin.ensure(specs)) == sorted(s.name for s in specs)
+        assert await admin.ensure(specs) == []  # all there: nothing to do
+    described = await _describe(endpoints.kafka_bootstrap, settings.requests_topic("m"))
+    assert len(described["partitions"]) == 3
+    assert all(len(p["replicas"]) == 1 for p in described["partitions"])
+
+    # A factor the cluster cannot meet is refused, saying so and what to set.
+    three = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
+                     database_url=endpoints.database_url, topic_prefix=unique_name,
+                     topic_replication_factor=3)
+    async with TopicAdmin(three) as admin:
+        with pytest.raises(InvalidConfigError, match=r"replication factor 3\).*"
+                           r"SLUICE_TOPIC_REPLICATION_FACTOR"):
+            await admin.ensure([request_topic(three, "other")])
+        assert three.requests_topic("other") not in await admin.list_topics()
+
+
+async def _describe(bootstrap: str, topic: str) -> dict:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+        return described
+    finally:
+        await admin.close()
