@@ -59,13 +59,21 @@ class PromptBuilder:
             raise PromptError(
                 "this model has no tokenizer.json; send prompt_token_ids instead of text"
             )
-        prefix = [self.bos_token_id] if self.bos_token_id is not None else []
         if request.prompt is not None:
-            return prefix + self._encode(request.prompt)
-        ids = list(prefix)
+            return self.text_ids(request.prompt)
+        ids = [self.bos_token_id] if self.bos_token_id is not None else []
         for message in request.messages or []:
             ids += self._encode(_frame(message.role, message.content))
         return ids + self._encode(ASSISTANT_PREFIX)
+
+    def text_ids(self, text: str) -> list[int]:
+        """A plain-text prompt: the model's beginning-of-sequence id, then the text."""
+        if self.tokenizer is None:
+            raise PromptError(
+                "this model has no tokenizer.json; send prompt_token_ids instead of text"
+            )
+        prefix = [self.bos_token_id] if self.bos_token_id is not None else []
+        return prefix + self._encode(text)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids  # type: ignore[union-attr]

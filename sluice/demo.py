@@ -1,16 +1,18 @@
 """`sluice demo`: the whole product on one machine, in one command.
 
 Starts the local Kafka broker and PostgreSQL when none is configured, makes
-a tiny model (and LoRA adapters, where the runtime supports them), registers
-it, creates an API key, runs a worker in this process, then drives a
-multi-turn, multi-adapter chat workload plus a small bulk job through Kafka,
-streaming one conversation to the terminal, and prints a summary.
+a tiny model and teaches it (and three LoRA adapters of it, each a voice of
+its own) a short chat (`gpu_runtime.tiny_train`; first run only, seconds),
+registers them, creates an API key, runs a worker in this process, then drives
+a multi-turn, multi-adapter chat workload plus a small bulk job through Kafka,
+streaming one conversation to the terminal, and prints every conversation's
+answers and a summary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
 import os
 import statistics
 import time
@@ -21,6 +23,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from gpu_runtime.tiny_train import QUESTIONS, SYSTEM
 from schemas import DoneEvent, TimeoutEvent, TokenEvent
 from sluice.batch import run_batch
 from sluice.client import Client
@@ -29,11 +32,6 @@ from sluice.settings import Settings
 from sluice.worker import Worker, WorkerOptions
 
 MODEL = "demo"
-QUESTIONS = [
-    "Where does the river begin?",
-    "What lives along its banks?",
-    "How does the water reach the sea?",
-]
 
 
 @dataclass(slots=True)
@@ -42,60 +40,86 @@ class DemoStats:
     timeouts: int = 0
     errors: int = 0
     started: float = field(default_factory=time.monotonic)
+    # (chat, turn, adapter, question, answer) of every finished turn
+    answers: list[tuple[int, int, str, str, str]] = field(default_factory=list)
 
 
-def _make_model(workdir: Path, num_adapters: int) -> tuple[Path, list[Path]]:
+def _make_model(workdir: Path, console: Console) -> tuple[Path, list[Path]]:
+    """The tiny model taught its lines, and one trained adapter per voice."""
     from gpu_runtime.tiny import make_tiny_model
+    from gpu_runtime.tiny_train import VOICES, train_tiny_adapter, train_tiny_model
 
     model_dir = workdir / "tiny"
-    if not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir)
-    adapters: list[Path] = []
-    try:
-        from gpu_runtime.tiny import make_tiny_adapters  # the multi-LoRA issue adds this
-    except ImportError:
+    adapter_root = workdir / "voices"
+    adapters = [adapter_root / name for name in VOICES]
+    if (model_dir / "trained").exists() and all(a.is_dir() for a in adapters):
         return model_dir, adapters
-    adapter_root = workdir / "adapters"
-    if not adapter_root.exists():
-        make_tiny_adapters(model_dir, adapter_root, num_adapters)
-    adapters = sorted(p for p in adapter_root.iterdir() if p.is_dir())[:num_adapters]
+    started = time.monotonic()
+    with console.status("teaching the tiny model and its adapters their lines "
+                        "(first run only)"):
+        make_tiny_model(model_dir)
+        loss = train_tiny_model(model_dir)
+        for path in adapters:
+            train_tiny_adapter(model_dir, path, VOICES[path.name])
+        (model_dir / "trained").write_text(f"{loss:.4f}\n")
+    console.print(f"taught the tiny model (loss {loss:.3f}) and {len(adapters)} adapters "
+                  f"in {time.monotonic() - started:.1f} s")
     return model_dir, adapters
 
 
-def _register(client: Client, model_dir: Path, adapters: list[Path]) -> tuple[str, list[str]]:
-    with contextlib.suppress(ConflictError):  # registered by an earlier run: keep it
-        client.models.register(model=MODEL, path=str(model_dir),
-                               compute_config={"kv_cache_len": 16384})
-    existing = {a.name for a in client.adapters.list(model=MODEL)}
-    names = []
+def _register_model(client: Client, model_dir: Path) -> str:
+    """Register the model as "demo" — or, when an earlier run registered "demo" from
+    another workdir, under a key of this workdir's own — and return the key."""
+    digest = hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest()[:8]
+    for model in (MODEL, f"{MODEL}-{digest}"):
+        try:
+            client.models.register(model=model, path=str(model_dir),
+                                   compute_config={"kv_cache_len": 16384})
+            return model
+        except ConflictError:  # registered by an earlier run: keep it if it is this one
+            if Path(client.models.show(model=model).path).resolve() == model_dir.resolve():
+                return model
+    raise RuntimeError(f"models {MODEL!r} and {MODEL}-{digest} are registered elsewhere")
+
+
+def _register(client: Client, model_dir: Path,
+              adapters: list[Path]) -> tuple[str, str, list[str]]:
+    """(model key, API key, adapter names), every adapter registered and granted."""
+    model = _register_model(client, model_dir)
+    names = [path.name for path in adapters]
+    existing = {a.name for a in client.adapters.list(model=model)}
+    for stale in existing - set(names):  # an older demo's adapters: make room
+        client.adapters.remove(model=model, name=stale)
     for path in adapters:
         if path.name not in existing:
-            client.adapters.register(model=MODEL, name=path.name, path=str(path))
-        names.append(path.name)
+            client.adapters.register(model=model, name=path.name, path=str(path))
     key = client.keys.create(tenant="demo")
-    client.keys.grant(key, model=MODEL)
+    client.keys.grant(key, model=model)
     for name in names:
-        client.keys.grant(key, model=MODEL, adapter=name)
-    return key, names
+        client.keys.grant(key, model=model, adapter=name)
+    return model, key, names
 
 
-async def _conversation(client: Client, key: str, index: int, adapter: str | None,
+async def _conversation(client: Client, model: str, key: str, index: int, adapter: str | None,
                         stats: DemoStats, console: Console, show: bool) -> None:
-    messages = [{"role": "system", "content": "You answer in one short line."}]
+    messages = [{"role": "system", "content": SYSTEM}]
     session = f"demo-{os.getpid()}-{index}"
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
         if show:
             console.print(f"[bold cyan]user[/] ({adapter or 'base'}): {question}")
             console.print("[bold green]assistant[/]: ", end="")
-        async for event in client.stream(model=MODEL, api_key=key, adapter=adapter,
-                                         session_id=session, messages=messages, max_tokens=24,
-                                         temperature=0.0, request_id=f"{session}-t{turn}"):
+        async for event in client.stream(model=model, api_key=key, adapter=adapter,
+                                         session_id=session, messages=messages, max_tokens=32,
+                                         temperature=0.0, stop=["\n"],
+                                         request_id=f"{session}-t{turn}"):
             if isinstance(event, TokenEvent) and show:
                 console.print(event.text, end="", highlight=False, markup=False)
             elif isinstance(event, DoneEvent):
                 stats.done.append(event)
-                messages.append({"role": "assistant", "content": event.text})
+                answer = event.text.strip()  # one line; the stop string ends it
+                messages.append({"role": "assistant", "content": answer})
+                stats.answers.append((index, turn, adapter or "base", question, answer))
                 if show:
                     cached = event.usage.cached_prompt_tokens
                     console.print(f"  [dim](ttft {event.timing.ttft_ms:.0f} ms, "
@@ -111,14 +135,25 @@ async def _conversation(client: Client, key: str, index: int, adapter: str | Non
                 return
 
 
-async def _bulk(client: Client, key: str, workdir: Path, count: int) -> tuple[int, int]:
+async def _bulk(client: Client, model: str, key: str, workdir: Path,
+                count: int) -> tuple[int, int]:
     in_path, out_path = workdir / "bulk-in.jsonl", workdir / f"bulk-out-{os.getpid()}.jsonl"
     lines = [{"custom_id": f"bulk-{i}", "body": {"prompt": f"Note {i}: the river",
                                                   "max_tokens": 16}} for i in range(count)]
     in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
-    summary = await run_batch(client, in_path, out_path, model=MODEL, api_key=key,
+    summary = await run_batch(client, in_path, out_path, model=model, api_key=key,
                               concurrency=16)
     return summary.num_done, summary.num_completion_tokens
+
+
+def _answers(stats: DemoStats) -> Table:
+    table = Table(title="every conversation: one base model, an adapter per voice",
+                  show_header=True)
+    for column in ("chat", "adapter", "user", "assistant"):
+        table.add_column(column)
+    for index, _, who, question, answer in sorted(stats.answers):
+        table.add_row(str(index), who, question, answer)
+    return table
 
 
 def _summary(stats: DemoStats, bulk: tuple[int, int], seconds: float) -> Table:
@@ -151,26 +186,28 @@ async def run_demo(settings: Settings, workdir: Path, *, conversations: int = 4,
                    bulk_requests: int = 32, console: Console | None = None) -> DemoStats:
     console = console or Console()
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir, adapter_dirs = await asyncio.to_thread(_make_model, workdir, 3)
+    model_dir, adapter_dirs = await asyncio.to_thread(_make_model, workdir, console)
     client = Client(settings)
-    key, adapters = await asyncio.to_thread(_register, client, model_dir, adapter_dirs)
-    console.print(f"model [bold]{MODEL}[/] at {model_dir}; adapters: {adapters or 'none'}")
-    worker = Worker(settings, WorkerOptions(model=MODEL, instance_id=f"demo-{os.getpid()}"))
+    model, key, adapters = await asyncio.to_thread(_register, client, model_dir, adapter_dirs)
+    console.print(f"model [bold]{model}[/] at {model_dir}; adapters: {adapters or 'none'}")
+    worker = Worker(settings, WorkerOptions(model=model, instance_id=f"demo-{os.getpid()}"))
     worker_task = asyncio.create_task(worker.run())
     try:
         # One request first, so the summary measures serving, not start-up.
-        await client.complete(model=MODEL, api_key=key, prompt="warm up", max_tokens=1)
+        await client.complete(model=model, api_key=key, prompt="warm up", max_tokens=1)
         stats = DemoStats()
         choices: list[str | None] = [None, *adapters]
         chats = [
-            _conversation(client, key, i, choices[i % len(choices)], stats, console, i == 0)
+            _conversation(client, model, key, i, choices[i % len(choices)], stats, console,
+                          i == 0)
             for i in range(conversations)
         ]
         results = await asyncio.gather(
-            asyncio.gather(*chats), _bulk(client, key, workdir, bulk_requests)
+            asyncio.gather(*chats), _bulk(client, model, key, workdir, bulk_requests)
         )
         bulk = results[1]
         seconds = time.monotonic() - stats.started
+        console.print(_answers(stats))
         console.print(_summary(stats, bulk, seconds))
     finally:
         worker.stop()

@@ -129,6 +129,7 @@ def _run(
     adapter_path: Path | None,
 ) -> dict:
     from gpu_runtime import StepPlan
+    from ingest.prompting import PromptBuilder
 
     adapter_key = None
     if adapter_path is not None:
@@ -137,7 +138,10 @@ def _run(
     if ids is None:
         if rt.tokenizer is None:
             raise fail(f"--prompt needs {model_path}/tokenizer.json; use --prompt-ids", 2)
-        ids = rt.tokenizer.encode(prompt or "").ids
+        # As a request's `prompt` is framed on the Kafka path (bos from config.json).
+        builder = PromptBuilder.for_model(model_path, rt.tokenizer,
+                                          rt.model_config.vocab_size)
+        ids = builder.text_ids(prompt or "")
     cached = rt.add_sequence("generate", ids, params, adapter_key=adapter_key)
     plan = {"generate": len(ids) - cached}
     generated: list[int] = []

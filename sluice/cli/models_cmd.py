@@ -28,10 +28,17 @@ def register(app: typer.Typer) -> None:
             typer.Option("--adapters", min=0, help="LoRA adapters to write, in DIR/adapters."),
         ] = 0,
         seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+        train_steps: Annotated[
+            int,
+            typer.Option("--train-steps", min=0,
+                         help="Teach the model a short chat first (the demo's; ~150 steps)."),
+        ] = 0,
     ) -> None:
         """Write a small random-weight Llama model (Hugging Face format) with a tokenizer.
 
         With `--adapters N`, also N PEFT LoRA adapters in DIR/adapters/adapter-{i}.
+        With `--train-steps N`, the weights are then fitted to a short chat so the
+        model answers the demo's questions in plain words.
         """
         from gpu_runtime.tiny import TinySpec, make_tiny_adapters, make_tiny_model
 
@@ -39,6 +46,11 @@ def register(app: typer.Typer) -> None:
             raise fail(f"{directory} exists and is not a directory", 2)
         out = make_tiny_model(directory, TinySpec(seed=seed))
         typer.echo(f"wrote a tiny Llama model to {out}")
+        if train_steps > 0:
+            from gpu_runtime.tiny_train import train_tiny_model
+
+            loss = train_tiny_model(out, train_steps, seed=seed)
+            typer.echo(f"trained it for {train_steps} steps (final loss {loss:.4f})")
         if adapters > 0:
             paths = make_tiny_adapters(out, out / "adapters", adapters)
             typer.echo(f"wrote {len(paths)} LoRA adapters to {out / 'adapters'}")

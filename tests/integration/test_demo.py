@@ -36,3 +36,16 @@ def test_demo_runs_end_to_end(endpoints, unique_name, tmp_path) -> None:
     assert rows["timeouts / errors"] == "0 / 0"
     cached, _, prompt = rows["cached prompt tokens"].partition(" of ")
     assert 0 < int(cached) < int(prompt)  # later turns reuse earlier turns' KV
+    # The taught model answers in its own words, and each adapter in its voice —
+    # the three conversations ran through one worker, batched together.
+    from gpu_runtime.tiny_train import BASE_ANSWERS, VOICES
+
+    answers = {}
+    for line in result.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 4 and cells[0].isdigit():
+            answers[(cells[1], cells[2])] = cells[3]
+    assert answers[("base", "Where does the river begin?")] == BASE_ANSWERS[0]
+    assert answers[("base", "How does the water reach the sea?")] == BASE_ANSWERS[2]
+    assert answers[("terse", "What lives along its banks?")] == VOICES["terse"][1]
+    assert answers[("poet", "Where does the river begin?")] == VOICES["poet"][0]

@@ -77,3 +77,20 @@ def test_make_tiny_adapters_then_generate_with_adapter(tmp_path):
         outs.append(json.loads(res.stdout)["token_ids"])
     assert (model / "adapters" / "adapter-1" / "adapter_model.safetensors").is_file()
     assert outs[0] != outs[1]  # the adapter changes the greedy tokens
+
+
+def test_make_tiny_train_steps_teaches_the_model_its_lines(tmp_path):
+    """Training runs through the runtime's own model code; what the model then
+    generates (greedy, through the runtime) is the line it was taught."""
+    runner = CliRunner()
+    model = tmp_path / "taught"
+    res = runner.invoke(app, ["models", "make-tiny", str(model), "--train-steps", "150"])
+    assert res.exit_code == 0, res.output
+    loss = float(res.output.rsplit("final loss ", 1)[1].rstrip(")\n"))
+    assert loss < 0.3
+    res = runner.invoke(app, ["generate", "--model-path", str(model), "--prompt",
+                              "The river runs", "--max-tokens", "24", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["text"] == " from the hills to the sea."
+    assert out["finish_reason"] == "stop"  # the eos it was taught to end the line with
