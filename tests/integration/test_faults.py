@@ -46,26 +46,32 @@ async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) ->
     client.keys.grant(key, model="tiny")
     worker = Worker(settings, WorkerOptions(model="tiny", instance_id="faulty-0"),
                     runtime_factory=lambda path, cfg: FaultyRuntime(path, cfg))
-    task = asyncio.create_task(worker.run())
+    task: asyncio.Task[None] | None = None
     try:
         async def healthy(i: int) -> int:
-            done = await client.complete(model="tiny", api_key=key, max_tokens=16,
+            done = await client.complete(model="tiny", api_key=key, max_tokens=32,
                                          prompt_token_ids=[11, 12, 13 + i])
             return done.usage.completion_tokens
 
         good = [asyncio.create_task(healthy(i)) for i in range(6)]
-        await asyncio.sleep(0.05)  # in the same steps as the healthy ones
+        poisoned = asyncio.create_task(client.complete(
+            model="tiny", api_key=key, max_tokens=16, prompt_token_ids=[POISON, 12, 13]))
+        # All seven wait on the topic before the worker starts, so the worker reads them
+        # together and the poisoned one shares its steps with healthy ones — the case
+        # where the failing step names no culprit and must be isolated.
+        await asyncio.sleep(1.0)
+        task = asyncio.create_task(worker.run())
         with pytest.raises(RequestError) as info:
-            await asyncio.wait_for(client.complete(
-                model="tiny", api_key=key, max_tokens=16, prompt_token_ids=[POISON, 12, 13]), 60)
+            await asyncio.wait_for(poisoned, 120)
         assert info.value.code == "internal" and "injected fault" in str(info.value)
         assert all(n >= 1 for n in await asyncio.wait_for(asyncio.gather(*good), 60))
-        assert not task.done()
+        assert task is not None and not task.done()
         assert worker.engine is not None
         assert worker.engine.scheduler.stats.num_isolated_failures >= 1
     finally:
         worker.stop()
-        await task
+        if task is not None:
+            await task
         await client.aclose()
         await drop_schema(settings)
 
