@@ -41,7 +41,8 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False  # Llama's attention_bias covers o_proj too; Qwen2's does not
     mlp_bias: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
@@ -80,6 +81,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases and no `attention_bias` key.
                 attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                o_proj_bias=arch == "LlamaForCausalLM" and bool(raw.get("attention_bias")),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 rope=_rope_config(raw),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),

@@ -31,7 +31,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(config.hidden_size, q_size, bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         num_rows = x.shape[0]

@@ -99,6 +99,12 @@ def weight_bytes_per_device(config: ModelConfig, req: MemoryRequest) -> int:
         per_layer = sum(r * c for r, c in proj_rows_cols) * dt
     if config.attention_bias:
         per_layer += (q_out + 2 * kv_out) * dt
+    # Row-parallel biases (o_proj, down_proj) live on rank 0 only under tp; counted
+    # on every rank here (an upper bound of a few KiB).
+    if config.o_proj_bias:
+        per_layer += h * dt
+    if config.mlp_bias:
+        per_layer += (2 * inter + h) * dt
     per_layer += 2 * h * dt  # the two RMSNorms, replicated
     vocab_shard = -(-config.vocab_size // tp) * h * dt
     heads = 1 if config.tie_word_embeddings else 2

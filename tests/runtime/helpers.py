@@ -33,9 +33,9 @@ def make_hf_checkpoint(path: Path, seed: int = 0, arch: str = "llama",
     config = getattr(transformers, f"{prefix}Config")(**{**BASE, **overrides})
     config._attn_implementation = "eager"
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
-    with torch.no_grad():  # the norms init to exactly 1; perturb them so they are tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
+    with torch.no_grad():  # norms init to exactly 1 and biases to 0: perturb them so
+        for name, p in model.named_parameters():  # they are tested
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path, model
