@@ -119,22 +119,27 @@ def _hf_decode_tps(path: Path, batch: int, steps: int, device: str) -> float | N
     return batch * (steps + 1) / tn
 
 
+def measure_read_bandwidth(device: str, dtype: torch.dtype, num_bytes: int,
+                           sync: Callable[[], None]) -> float:
+    """Bytes/s of reading one `num_bytes` tensor, best of 3: the faster of a sum and a
+    matrix-vector product (decoding's own access pattern; on a CPU a sum alone is
+    partly compute-bound). Make `num_bytes` larger than the last-level cache."""
+    rows = num_bytes // (1024 * torch.finfo(dtype).bits // 8)
+    x = torch.ones(rows, 1024, dtype=dtype, device=device)
+    ones = torch.ones(1024, dtype=dtype, device=device)
+    best = float("inf")
+    for read in (lambda: x.sum(), lambda: torch.mv(x, ones)):
+        read()
+        best = min(best, *(_timed(read, sync) for _ in range(3)))
+    return x.numel() * x.element_size() / best
+
+
 def _machine_limits(
     device: str, hidden: int, inter: int, batches: list[int], sync: Callable[[], None]
 ) -> dict:
-    # Decoding reads weights and writes almost nothing, so the limit is a large read:
-    # 1 GiB, well past any last-level cache (this host's L3 holds 260 MiB), read by a
-    # sum and by a matrix-vector product (decoding's own access pattern); the faster
-    # counts. A copy (read + write) is reported beside it.
-    src = torch.ones(256 << 20, dtype=torch.float32, device=device)  # 1 GiB
-    ones = torch.ones(1024, dtype=torch.float32, device=device)
-    reads = {"sum": lambda: src.sum(), "mv": lambda: torch.mv(src.view(-1, 1024), ones)}
-    read_s = float("inf")
-    for read in reads.values():
-        read()
-        read_s = min(read_s, *(_timed(read, sync) for _ in range(3)))
-    read_bandwidth = src.numel() * 4 / read_s
-    del src
+    # Decoding reads weights and writes almost nothing, so the limit is a large read
+    # (1 GiB, well past any last-level cache); a copy is reported beside it.
+    read_bandwidth = measure_read_bandwidth(device, torch.float32, 1 << 30, sync)
     src = torch.ones(64 << 20, dtype=torch.float32, device=device)  # 256 MiB each way
     dst = torch.empty_like(src)
     dst.copy_(src)

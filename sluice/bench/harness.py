@@ -123,12 +123,10 @@ class MatmulShape:
 
 def measure_bandwidth(device: str, dtype: torch.dtype = torch.float32,
                       num_bytes: int = 256 << 20) -> float:
-    """Bytes/s of reading one large tensor (a sum: one read, no write), best of 3."""
-    sync = sync_for(device)
-    x = torch.ones(num_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
-    x.sum()
-    seconds = min(timed(lambda: x.sum(), sync) for _ in range(3))
-    return x.numel() * x.element_size() / seconds
+    """Bytes/s of reading one large tensor (see gpu_runtime.bench), best of 3."""
+    from gpu_runtime.bench import measure_read_bandwidth
+
+    return measure_read_bandwidth(device, dtype, num_bytes, sync_for(device))
 
 
 def measure_matmul(device: str, shapes: Sequence[MatmulShape],
