@@ -263,6 +263,15 @@ def down(cfg: InfraConfig) -> bool:
     return stopped
 
 
+def purge(cfg: InfraConfig) -> bool:
+    """Stop the broker and delete its data, configs and logs; True if there were any."""
+    down(cfg)
+    root = _paths(cfg)["root"]
+    existed = root.exists()
+    shutil.rmtree(root, ignore_errors=True)
+    return existed
+
+
 def status(cfg: InfraConfig) -> dict[str, object]:
     pid = running_pid(cfg)
     up_now = pid is not None and answers_metadata(bootstrap(cfg), 2.0)

@@ -17,6 +17,11 @@ def down(cfg: InfraConfig) -> dict[str, bool]:
     return {"kafka": kafka_broker.down(cfg), "postgres": postgres.down(cfg)}
 
 
+def purge(cfg: InfraConfig) -> dict[str, bool]:
+    """Stop both and delete their data (topics, databases); returns which had any."""
+    return {"kafka": kafka_broker.purge(cfg), "postgres": postgres.purge(cfg)}
+
+
 def status(cfg: InfraConfig) -> dict[str, dict[str, object]]:
     return {"kafka": kafka_broker.status(cfg), "postgres": postgres.status(cfg)}
 

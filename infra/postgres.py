@@ -5,6 +5,12 @@ and runs as the `postgres` system user (created by Debian's package), in a data
 directory outside root's home (which that user cannot enter); otherwise it
 runs as the current user under the state directory. It listens on 127.0.0.1
 only, with password (SCRAM) authentication and a generated password.
+
+The password is kept beside the cluster it opens (in the cluster directory), not
+in the state directory: as root the cluster lives outside the state directory
+and outlives it, and a fresh state directory at the same path (a clean checkout
+of a CI job, say) must still reach it. A cluster whose password was lost gets a
+new one through single-user mode, so its data is kept.
 """
 
 from __future__ import annotations
@@ -86,7 +92,9 @@ def _paths(cfg: InfraConfig) -> dict[str, Path]:
         "root": root,
         "data": root / "data",
         "log": root / "postgres.log",
-        "password": cfg.state_dir / "postgres.password",
+        "password": root / "sluice.password",
+        # Where the password was kept before it moved beside the cluster.
+        "old_password": cfg.state_dir / "postgres.password",
         "link": cfg.state_dir / "postgres-cluster",
     }
 
@@ -97,14 +105,33 @@ def _as_owner(user: pwd.struct_passwd | None) -> dict[str, object]:
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
 
 
+def _stored_password(paths: dict[str, Path]) -> str | None:
+    for key in ("password", "old_password"):
+        try:
+            password = paths[key].read_text().strip()
+        except OSError:
+            continue
+        if password:
+            if key == "old_password":
+                _store_password(paths, password)
+            return password
+    return None
+
+
+def _store_password(paths: dict[str, Path], password: str) -> None:
+    paths["root"].mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = paths["password"].with_suffix(".tmp")
+    tmp.write_text(password + "\n")
+    tmp.chmod(0o600)
+    tmp.replace(paths["password"])
+
+
 def _password(cfg: InfraConfig) -> str:
-    path = _paths(cfg)["password"]
-    if path.exists():
-        return path.read_text().strip()
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    password = secrets.token_urlsafe(18)
-    path.write_text(password + "\n")
-    path.chmod(0o600)
+    paths = _paths(cfg)
+    password = _stored_password(paths)
+    if password is None:
+        password = secrets.token_urlsafe(18)
+        _store_password(paths, password)
     return password
 
 
@@ -138,6 +165,27 @@ def _initdb(cfg: InfraConfig, paths: dict[str, Path], user: pwd.struct_passwd | 
         raise InfraError(f"initdb failed:\n{result.stdout}{result.stderr}")
 
 
+def _reset_password(paths: dict[str, Path], user: pwd.struct_passwd | None) -> None:
+    """Give an existing cluster whose password was lost a new one, keeping its data.
+
+    Single-user mode needs no authentication (only the data directory's owner
+    can run it) and the server must be stopped, which the caller ensures.
+    """
+    password = secrets.token_urlsafe(18)  # URL-safe: nothing to quote in SQL
+    result = subprocess.run(
+        [str(bin_dir() / "postgres"), "--single", "-D", str(paths["data"]), "postgres"],
+        input=f"ALTER ROLE {DB_USER} WITH PASSWORD '{password}';\n",
+        capture_output=True, text=True, check=False, **_as_owner(user),
+    )
+    if result.returncode != 0 or "ERROR" in result.stdout + result.stderr:
+        raise InfraError(
+            f"the PostgreSQL cluster in {paths['data']} has no known password and setting a "
+            f"new one failed:\n{result.stdout}{result.stderr}\nRemove that directory to start "
+            "from an empty database."
+        )
+    _store_password(paths, password)
+
+
 def running_pid(cfg: InfraConfig) -> int | None:
     pid_file = _paths(cfg)["data"] / "postmaster.pid"
     try:
@@ -160,19 +208,42 @@ def _ready(cfg: InfraConfig) -> bool:
 
 def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
     paths = _paths(cfg)
-    if running_pid(cfg) is not None and _ready(cfg):
-        return status(cfg)
+    user = _run_as()
+    pid = running_pid(cfg)
+    if pid is not None and _ready(cfg):
+        if _login(cfg) is None:
+            return status(cfg)
+        # Our own server, but its password is not the one we hold: stop it to set ours.
+        stop_pid(pid, signal.SIGINT, 30)
     if port_in_use(cfg.postgres_port):
         raise InfraError(
             f"port {cfg.postgres_port} on 127.0.0.1 is taken by another process, so the local "
             "PostgreSQL cannot listen there. Stop that process or pick another port with "
             "--postgres-port (or SLUICE_INFRA_POSTGRES_PORT)."
         )
-    user = _run_as()
+    if (paths["data"] / "PG_VERSION").exists() and _stored_password(paths) is None:
+        _reset_password(paths, user)
     _initdb(cfg, paths, user)
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     if not paths["link"].exists():
         paths["link"].symlink_to(paths["root"])
+    _start(cfg, paths, user, wait_s)
+    refused = _login(cfg)
+    if refused is not None and "password authentication failed" in refused:
+        # A password kept from another cluster at this path: set ours, keep the data.
+        down(cfg)
+        _reset_password(paths, user)
+        _start(cfg, paths, user, wait_s)
+        refused = _login(cfg)
+    if refused is not None:
+        raise InfraError(f"PostgreSQL is up but refuses us: {refused}")
+    _ensure_database(cfg)
+    return status(cfg)
+
+
+def _start(
+    cfg: InfraConfig, paths: dict[str, Path], user: pwd.struct_passwd | None, wait_s: float
+) -> None:
     cmd = [
         str(bin_dir() / "postgres"), "-D", str(paths["data"]), "-p", str(cfg.postgres_port),
         "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={paths['root']}",
@@ -190,8 +261,7 @@ def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
         if proc.poll() is not None:
             break
         if port_answers(cfg.postgres_port) and _ready(cfg):
-            _ensure_database(cfg)
-            return status(cfg)
+            return
         time.sleep(0.2)
     exited = proc.poll() is not None
     if not exited:
@@ -200,19 +270,25 @@ def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
     raise InfraError(f"PostgreSQL {why}. Last lines of {paths['log']}:\n{tail(paths['log'])}")
 
 
-def _ensure_database(cfg: InfraConfig) -> None:
+def _psql(cfg: InfraConfig, sql: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PGPASSWORD": _password(cfg)}
-    base = [str(bin_dir() / "psql"), "-h", "127.0.0.1", "-p", str(cfg.postgres_port), "-U",
-            DB_USER, "-d", "postgres", "-tAc"]
-    exists = subprocess.run(
-        [*base, f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}'"],
+    return subprocess.run(
+        [str(bin_dir() / "psql"), "-h", "127.0.0.1", "-p", str(cfg.postgres_port), "-U", DB_USER,
+         "-d", "postgres", "-tAc", sql],
         capture_output=True, text=True, env=env, check=False,
     )
-    if exists.stdout.strip() == "1":
+
+
+def _login(cfg: InfraConfig) -> str | None:
+    """None when we can log in with the password we hold, else the server's refusal."""
+    result = _psql(cfg, "SELECT 1")
+    return None if result.returncode == 0 else result.stderr.strip()
+
+
+def _ensure_database(cfg: InfraConfig) -> None:
+    if _psql(cfg, f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}'").stdout.strip() == "1":
         return
-    made = subprocess.run(
-        [*base, f"CREATE DATABASE {DB_NAME}"], capture_output=True, text=True, env=env, check=False
-    )
+    made = _psql(cfg, f"CREATE DATABASE {DB_NAME}")
     if made.returncode != 0:
         raise InfraError(f"could not create database {DB_NAME}: {made.stderr.strip()}")
 
@@ -223,6 +299,17 @@ def down(cfg: InfraConfig) -> bool:
         return False
     # SIGINT is PostgreSQL's "fast" shutdown: roll back clients, checkpoint, exit.
     return stop_pid(pid, signal.SIGINT, 30)
+
+
+def purge(cfg: InfraConfig) -> bool:
+    """Stop the server and delete its cluster (data, log, password); True if one existed."""
+    down(cfg)
+    paths = _paths(cfg)
+    existed = paths["root"].exists()
+    shutil.rmtree(paths["root"], ignore_errors=True)
+    paths["link"].unlink(missing_ok=True)
+    paths["old_password"].unlink(missing_ok=True)
+    return existed
 
 
 def status(cfg: InfraConfig) -> dict[str, object]:

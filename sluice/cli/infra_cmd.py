@@ -70,12 +70,18 @@ def register(app: typer.Typer) -> None:
     def down_cmd(
         state_dir: StateDir = None, kafka_port: KafkaPort = None,
         kafka_controller_port: ControllerPort = None, postgres_port: PostgresPort = None,
+        purge: Annotated[bool, typer.Option(
+            "--purge", help="Also delete their data: every topic, message and database.",
+        )] = False,
     ) -> None:
         """Stop the broker and database that `up` started (by their PIDs)."""
         cfg = _config(state_dir, kafka_port, kafka_controller_port, postgres_port)
         stopped = local.down(cfg)
         for name, was_running in stopped.items():
             Console().print(f"{name}: {'stopped' if was_running else 'was not running'}")
+        if purge:
+            for name, had_data in local.purge(cfg).items():
+                Console().print(f"{name}: {'data deleted' if had_data else 'had no data'}")
 
     @infra.command("status")
     def status_cmd(

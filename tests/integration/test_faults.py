@@ -140,7 +140,7 @@ async def test_database_outage_delays_but_never_skips_the_check(endpoints, uniqu
     finally:
         _end(worker)
         await client.aclose()
-        postgres.down(cfg)
+        postgres.purge(cfg)
 
 
 async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
@@ -177,7 +177,7 @@ async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
     finally:
         _end(worker)
         await client.aclose()
-        kafka_broker.down(cfg)
+        kafka_broker.purge(cfg)
         await drop_schema(settings)
 
 
@@ -240,4 +240,4 @@ async def test_a_terminal_event_sent_while_the_broker_is_away_lands_when_it_retu
         assert seen == ["before", "during"]
     finally:
         await consumer.stop()
-        await asyncio.to_thread(kafka_broker.down, cfg)
+        await asyncio.to_thread(kafka_broker.purge, cfg)

@@ -57,6 +57,65 @@ def test_up_twice_status_down_status(tmp_path: Path) -> None:
     after = orjson.loads(_sluice("infra", "status", "--json", env=env).stdout)
     assert after["kafka"]["up"] is False
     assert after["postgres"]["up"] is False
+    # --purge deletes the data too: as root the cluster lives outside the state dir.
+    cluster = (Path(env["SLUICE_STATE_DIR"]) / "postgres-cluster").resolve()
+    assert cluster.exists()
+    purged = _sluice("infra", "down", "--purge", env=env)
+    assert purged.returncode == 0, purged.stderr
+    assert "data deleted" in purged.stdout
+    assert not cluster.exists() and not (Path(env["SLUICE_STATE_DIR"]) / "kafka").exists()
+
+
+def _rows(cfg) -> list[str]:
+    from infra import postgres
+
+    out = subprocess.run(
+        [str(postgres.bin_dir() / "psql"), str(postgres.status(cfg)["url"]), "-tAc",
+         "SELECT note FROM kept ORDER BY 1"],
+        capture_output=True, text=True, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_a_new_state_dir_reaches_the_cluster_left_at_its_path(tmp_path: Path) -> None:
+    """A clean checkout's fresh state dir at the same path as an earlier one (CI) finds the
+    earlier PostgreSQL cluster (as root it lives outside the state dir) with no password to
+    it: `up` sets a new one in single-user mode and the data stays."""
+    import shutil
+
+    from infra import postgres
+    from infra.common import InfraConfig
+
+    cfg = InfraConfig.from_env(state_dir=tmp_path / "state", postgres_port=39732)
+    paths = postgres._paths(cfg)
+    try:
+        postgres.up(cfg)
+        made = subprocess.run(
+            [str(postgres.bin_dir() / "psql"), str(postgres.status(cfg)["url"]), "-c",
+             "CREATE TABLE kept (note text); INSERT INTO kept VALUES ('survives')"],
+            capture_output=True, text=True, check=False,
+        )
+        assert made.returncode == 0, made.stderr
+        assert postgres.down(cfg)
+
+        # The password is lost: the old layout kept it only in the state dir.
+        paths["password"].unlink()
+        if paths["root"].is_relative_to(cfg.state_dir):
+            paths["link"].unlink(missing_ok=True)
+        else:
+            shutil.rmtree(cfg.state_dir)
+        assert postgres.up(cfg)["up"] is True
+        assert _rows(cfg) == ["survives"]
+
+        # A password held that is not the running cluster's (another cluster's, say).
+        paths["password"].write_text("not-the-password\n")
+        assert postgres.up(cfg)["up"] is True
+        assert _rows(cfg) == ["survives"]
+        assert paths["password"].read_text().strip() != "not-the-password"
+    finally:
+        postgres.purge(cfg)
+    assert not paths["root"].exists()
 
 
 def test_taken_port_gives_an_actionable_error(tmp_path: Path) -> None:
