@@ -54,20 +54,44 @@ def _has_fp8_matmul(device: torch.device) -> bool:
 
 
 class FP8Linear(nn.Module):
-    def __init__(self, linear: Linear, group: dist.ProcessGroup | None = None) -> None:
+    """An FP8 projection. Built empty (on the meta device, filled by the loader as each
+    weight is read) or from a full-precision `Linear` with `from_linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        q, scale = quantize_per_channel(linear.weight.data, group)
-        self.weight = nn.Parameter(q, requires_grad=False)  # [out, in] float8_e4m3fn
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)  # [out] float32
-        self.bias = linear.bias
-        self.use_scaled_mm = (
-            _has_fp8_matmul(q.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(  # [out, in] float8_e4m3fn
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )
+        self.weight_scale = nn.Parameter(  # [out] float32
+            torch.empty(out_features, dtype=torch.float32), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._use_scaled_mm: bool | None = None  # decided on first use, on the loaded device
+
+    @classmethod
+    def from_linear(cls, linear: Linear, group: dist.ProcessGroup | None = None) -> FP8Linear:
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features)
+        q, scale = quantize_per_channel(linear.weight.data, group)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.bias = linear.bias
+        return layer
+
+    @property
+    def use_scaled_mm(self) -> bool:
+        if self._use_scaled_mm is None:
+            self._use_scaled_mm = (
+                _has_fp8_matmul(self.weight.device)
+                and self.in_features % 16 == 0
+                and self.out_features % 16 == 0
+            )
+        return self._use_scaled_mm
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
-        if self.use_scaled_mm and x.dtype == torch.bfloat16:
+        if x.dtype == torch.bfloat16 and self.use_scaled_mm:
             return self._scaled_mm(x)
         w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
         return F.linear(x, w, self.bias)
@@ -88,15 +112,37 @@ class FP8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
 
+def _fp8_targets(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(parent, child name, full name) of every `Linear` FP8 replaces: all but the LM head
+    (often tied to the embeddings)."""
+    targets = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is Linear and full != "lm_head":
+                targets.append((module, child_name, full))
+    return targets
+
+
 def quantize_model_fp8(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Swap every `Linear` except the LM head (often tied to the embeddings) for FP8.
+    """Swap every `Linear` but the LM head for FP8, quantizing its loaded weight.
 
     `group`: the tensor-parallel ranks; row-parallel projections then keep full scales.
     """
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if type(child) is Linear and full != "lm_head":
-                row_group = group if child_name in ROW_PARALLEL else None
-                setattr(module, child_name, FP8Linear(child, row_group))
+    for parent, child_name, _ in _fp8_targets(model):
+        row_group = group if child_name in ROW_PARALLEL else None
+        setattr(parent, child_name, FP8Linear.from_linear(getattr(parent, child_name), row_group))
     return model
+
+
+def fp8_shells(model: nn.Module) -> dict[str, bool]:
+    """Swap, on a meta-device model, every `Linear` FP8 replaces for an empty `FP8Linear`,
+    so a loader can quantize each weight as it reads it (the full-precision model is
+    never held). Returns `{weight name: row-parallel?}` of the swapped layers."""
+    weights = {}
+    for parent, child_name, full in _fp8_targets(model):
+        child = getattr(parent, child_name)
+        shell = FP8Linear(child.in_features, child.out_features, bias=child.bias is not None)
+        setattr(parent, child_name, shell)
+        weights[f"{full}.weight"] = child_name in ROW_PARALLEL
+    return weights

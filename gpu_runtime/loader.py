@@ -10,6 +10,10 @@ Under tensor parallelism (`layout` given) the tree is built with this rank's
 shapes (`ShardLayout.local_config`, vocab-parallel embeddings and LM head) and
 each tensor is read through `get_slice`, only the rows or columns this rank
 holds (`parallel.py`): a rank never holds the whole model.
+
+With FP8 the projections are built as empty `FP8Linear`s and each weight is
+quantized as it is read, so loading peaks at the FP8 model plus one
+full-precision tensor, not at the full-precision model.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from safetensors import safe_open
 
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import ModelLoadError
+from gpu_runtime.fp8 import fp8_shells, quantize_per_channel
 from gpu_runtime.model import CausalLM
 from gpu_runtime.parallel import ShardLayout, use_vocab_parallel
 
@@ -57,8 +62,13 @@ def load_model(
     device: torch.device | str,
     layout: ShardLayout | None = None,
     group: dist.ProcessGroup | None = None,
+    quantization: str = "none",
 ) -> CausalLM:
-    """The model, or with `layout` (and the ranks' `group`) this rank's shard of it."""
+    """The model, or with `layout` (and the ranks' `group`) this rank's shard of it.
+
+    With `quantization="fp8"` each projection's weight is quantized as it is read,
+    so at most one full-precision tensor is held at a time, never the whole model.
+    """
     model_dir = Path(model_dir)
     with torch.device("meta"):
         if layout is None:
@@ -66,13 +76,20 @@ def load_model(
         else:
             model = CausalLM(layout.local_config())
             use_vocab_parallel(model, layout, group)
+        fp8_weights = fp8_shells(model) if quantization == "fp8" else {}
     expected = set(model.state_dict().keys())
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name in expected:
-                    state[name] = _read(f, name, layout).to(dtype)
+                if name not in expected:
+                    continue
+                tensor = _read(f, name, layout).to(dtype)
+                if name in fp8_weights:
+                    # Row-parallel shards hold part of each row: their scales span ranks.
+                    row_group = group if fp8_weights[name] else None
+                    tensor, state[f"{name}_scale"] = quantize_per_channel(tensor, row_group)
+                state[name] = tensor
     if config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(expected - state.keys())

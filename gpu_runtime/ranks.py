@@ -57,7 +57,6 @@ import torch.multiprocessing as mp
 from gpu_runtime.adapters import AdapterManager
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import ModelLoadError, RankFailure
-from gpu_runtime.fp8 import quantize_model_fp8
 from gpu_runtime.loader import load_model
 from gpu_runtime.lora import apply_lora
 from gpu_runtime.parallel import ShardLayout, wrap_parallel_linears
@@ -147,9 +146,8 @@ def build_shard(
     """The model (this rank's shard of it with `ranks`), its layer swaps, its KV cache."""
     layout = ShardLayout(mc, ranks.size, ranks.rank) if ranks is not None else None
     group = ranks.compute if ranks is not None else None
-    model = load_model(model_path, mc, dtype, device, layout, group)
-    if config.quantization == "fp8":
-        quantize_model_fp8(model, group)
+    # FP8 weights are quantized as they are read (the full-precision model is never held).
+    model = load_model(model_path, mc, dtype, device, layout, group, config.quantization)
     lora_layers = {}
     if config.max_adapters > 0:
         lora_layers = apply_lora(model, config.max_adapters, config.max_lora_rank, dtype)

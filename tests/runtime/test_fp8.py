@@ -94,3 +94,46 @@ def test_fp8_weight_bytes_are_half_of_bf16(tmp_path):
     ratio = linear_bytes(fp8, FP8Linear) / bf16_bytes
     assert 0.5 <= ratio < 0.55, ratio
     assert fp8.memory_plan.weight_bytes < bf16.memory_plan.weight_bytes
+
+
+def test_fp8_quantized_while_loading_equals_quantizing_the_loaded_model(tmp_path):
+    from gpu_runtime.config import ModelConfig
+    from gpu_runtime.fp8 import quantize_model_fp8
+    from gpu_runtime.loader import load_model
+
+    path, _ = make_hf_checkpoint(tmp_path, seed=5, attention_bias=True, mlp_bias=True)
+    config = ModelConfig.from_dir(path)
+    got = load_model(path, config, torch.bfloat16, "cpu", quantization="fp8").state_dict()
+    want = quantize_model_fp8(load_model(path, config, torch.bfloat16, "cpu")).state_dict()
+    assert got.keys() == want.keys()
+    assert sum(name.endswith("weight_scale") for name in got) == 2 * 7
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_fp8_load_never_holds_two_full_precision_projections(tmp_path, monkeypatch):
+    """Each projection is quantized as it is read, so loading an FP8 model needs memory
+    for the FP8 model plus one full-precision tensor, not for the full-precision model
+    (on a GPU: a 70B model in FP8 fits one H200 only this way)."""
+    import weakref
+
+    import gpu_runtime.loader as loader
+    from gpu_runtime.config import ModelConfig
+
+    path, _ = make_hf_checkpoint(tmp_path, seed=6)
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_each_call = []
+    quantize = loader.quantize_per_channel
+
+    def spy(weight, group=None):
+        alive_at_each_call.append(sum(ref() is not None for ref in inputs))
+        inputs.append(weakref.ref(weight))
+        return quantize(weight, group)
+
+    monkeypatch.setattr(loader, "quantize_per_channel", spy)
+    model = loader.load_model(path, ModelConfig.from_dir(path), torch.bfloat16, "cpu",
+                              quantization="fp8")
+    assert len(inputs) == 2 * 7
+    assert alive_at_each_call == [0] * len(inputs)
+    assert sum(isinstance(m, FP8Linear) for m in model.modules()) == 2 * 7
