@@ -14,6 +14,10 @@ query of a GQA model is laid out as ``[n_kv, group, D]`` so the group becomes
 the query length and K/V are never repeated. Prefill chunks loop over
 sequences (one SDPA call each, causal with an offset when earlier tokens are
 already cached).
+
+Sliding-window layers (`window` = W) let the token at position p see keys
+(p - W, p] only: decodes use the step's windowed key mask, prefill chunks
+gather only the keys some row of the chunk can see.
 """
 
 from __future__ import annotations
@@ -60,22 +64,29 @@ def prefill_attention(
     kv: torch.Tensor,
     chunk: PrefillChunk,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One sequence's chunk. q: [n, H, D]; k_new, v_new: [n, n_kv, D] -> [n, H, D]."""
     n = q.shape[0]
     ctx_len = chunk.num_computed + n
+    # Keys before `first` are outside every row's window (the chunk's first row sees
+    # keys from num_computed + 1 - window on).
+    first = 0 if window is None else max(0, chunk.num_computed + 1 - window)
     if chunk.num_computed == 0:
-        k, v = k_new, v_new  # [n, n_kv, D]: nothing earlier to gather
+        k, v = k_new, v_new  # [n, n_kv, D]: nothing earlier to gather (first == 0)
     else:
-        k = kv[0][chunk.block_table].flatten(0, 1)[:ctx_len]  # [ctx, n_kv, D]
-        v = kv[1][chunk.block_table].flatten(0, 1)[:ctx_len]
+        k = kv[0][chunk.block_table].flatten(0, 1)[first:ctx_len]  # [ctx - first, n_kv, D]
+        v = kv[1][chunk.block_table].flatten(0, 1)[first:ctx_len]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    kh = k.transpose(0, 1).unsqueeze(0)  # [1, n_kv, ctx, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, n_kv, ctx - first, D]
     vh = v.transpose(0, 1).unsqueeze(0)
     mask = None
-    if chunk.num_computed > 0:
-        rows = torch.arange(n, device=q.device)[:, None] + chunk.num_computed
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [n, ctx]
+    if chunk.num_computed > 0 or window is not None:
+        rows = torch.arange(n, device=q.device)[:, None] + chunk.num_computed  # query positions
+        keys = torch.arange(first, ctx_len, device=q.device)[None, :]
+        mask = keys <= rows  # [n, ctx - first]
+        if window is not None:
+            mask &= keys > rows - window
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )
@@ -89,21 +100,25 @@ def paged_attention(
     kv: torch.Tensor,
     ctx: StepContext,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """All rows of a step. q: [T, H, D]; k, v: [T, n_kv, D] (already written to kv)."""
+    """All rows of a step. q: [T, H, D]; k, v: [T, n_kv, D] (already written to kv).
+    `window`: this layer's sliding attention window, None for full attention."""
     if ctx.use_triton:
         from gpu_runtime.triton_attention import paged_attention_triton
 
         return paged_attention_triton(
-            q, kv[0], kv[1], ctx.block_tables, ctx.token_seq_idx, ctx.token_ctx_len, scale
+            q, kv[0], kv[1], ctx.block_tables, ctx.token_seq_idx, ctx.token_ctx_len, scale,
+            window=window,
         )
+    decode_mask = ctx.decode_mask if window is None else ctx.decode_window_mask
     if not ctx.prefills:
-        return decode_attention(q, kv, ctx.decode_block_tables, ctx.decode_mask, scale)
+        return decode_attention(q, kv, ctx.decode_block_tables, decode_mask, scale)
     out = torch.empty_like(q)
     if ctx.num_decodes:
         d = ctx.num_decodes
-        out[:d] = decode_attention(q[:d], kv, ctx.decode_block_tables, ctx.decode_mask, scale)
+        out[:d] = decode_attention(q[:d], kv, ctx.decode_block_tables, decode_mask, scale)
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale, window)
     return out

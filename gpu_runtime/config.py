@@ -48,10 +48,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     architecture: str = "LlamaForCausalLM"
-    # Window of sliding-window attention (Mistral; Qwen2 with use_sliding_window),
-    # None when every layer attends to the whole context. Not implemented as a
-    # window: the runtime caps contexts at it, where both are the same.
+    # Sliding-window attention (Mistral; Qwen2 with use_sliding_window): a token
+    # attends to the last `sliding_window` positions (itself included) in the
+    # layers flagged in `sliding_layers`, to the whole context in the others.
+    # None / () when no layer uses a window.
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The attention window of one layer, None for full attention."""
+        if self.sliding_window is None or not self.sliding_layers[layer_idx]:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -87,7 +95,7 @@ class ModelConfig:
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
                 torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
                 architecture=arch,
-                sliding_window=_sliding_window(raw),
+                **_sliding_window(raw, int(raw["num_hidden_layers"])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
@@ -112,37 +120,29 @@ class ModelConfig:
 
 def context_limit(config: ModelConfig, max_model_len: int | None) -> int:
     """The longest context (prompt + output) served: `max_model_len`, by default the
-    model's max_position_embeddings — and never beyond a sliding attention window.
-
-    Up to its window, sliding-window attention is ordinary causal attention, so
-    capping the context there keeps every output exact without a windowed kernel.
-    """
-    limit = max_model_len or config.max_position_embeddings
-    window = config.sliding_window
-    if window is None or limit <= window:
-        return limit
-    if max_model_len is not None:
-        raise ModelLoadError(
-            f"max_model_len={max_model_len} exceeds this model's sliding attention window "
-            f"({window} tokens); sluice serves such models up to the window: set "
-            f"max_model_len <= {window}"
-        )
-    return window
+    model's max_position_embeddings."""
+    return max_model_len or config.max_position_embeddings
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    """The attention window if any layer uses one (HF's Mistral/Qwen2 conventions)."""
+def _sliding_window(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """`sliding_window` and `sliding_layers` from HF's Mistral/Qwen2 conventions."""
     window = raw.get("sliding_window")
     if window is None:
-        return None
+        return {"sliding_window": None, "sliding_layers": ()}
     layer_types = raw.get("layer_types")
     if layer_types is not None:
-        uses_window = "sliding_attention" in layer_types
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        sliding = tuple(kind == "sliding_attention" for kind in layer_types)
     elif "use_sliding_window" in raw:  # Qwen2 without layer_types
-        uses_window = bool(raw["use_sliding_window"])
-    else:  # Mistral: a window given is a window used
-        uses_window = True
-    return int(window) if uses_window else None
+        # Layers from max_window_layers on slide (28: Qwen2Config's default).
+        first = int(raw.get("max_window_layers", 28)) if raw["use_sliding_window"] else num_layers
+        sliding = tuple(i >= first for i in range(num_layers))
+    else:  # Mistral: a window given is a window used, by every layer
+        sliding = (True,) * num_layers
+    if not any(sliding):
+        return {"sliding_window": None, "sliding_layers": ()}
+    return {"sliding_window": int(window), "sliding_layers": sliding}
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -62,6 +62,8 @@ class StepContext:
     # Decode rows, batched: padded block tables and a key mask.
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # The same for sliding-window layers (keys within the window); None without such layers.
+    decode_window_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, S] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Inputs of the Triton kernel (one program per query row), built only on CUDA.
     token_seq_idx: torch.Tensor | None = None  # [T] int32, row -> sequence index

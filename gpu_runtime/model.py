@@ -25,6 +25,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.window = config.layer_window(layer_idx)  # None: full attention
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         bias = config.attention_bias
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         kv = ctx.kv_caches[self.layer_idx]
         write_kv(kv, k, v, ctx.slot_mapping)
-        out = paged_attention(q, k, v, kv, ctx, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv, ctx, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.reshape(num_rows, -1), ctx)
 
 

@@ -45,6 +45,7 @@ class ModelRunner:
         self.device = param.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.block_size = block_size
+        self.sliding_window = config.sliding_window
         self.use_triton = self.device.type == "cuda" and _triton_available()
         model.init_rope(max_model_len, self.device)
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -108,7 +109,11 @@ class ModelRunner:
         ctx.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
         keys = torch.arange(max_blocks * self.block_size, device=self.device)
         lens_t = torch.tensor(lens, device=self.device)
-        ctx.decode_mask = (keys[None, :] < lens_t[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        visible = keys[None, :] < lens_t[:, None]  # [B, S]
+        ctx.decode_mask = visible[:, None, None, :]  # [B, 1, 1, S]
+        if self.sliding_window is not None:  # the query at position len - 1 sees W keys
+            recent = keys[None, :] >= lens_t[:, None] - self.sliding_window
+            ctx.decode_window_mask = (visible & recent)[:, None, None, :]
 
     def _add_triton_inputs(self, ctx: StepContext, seqs: list[ScheduledSeq]) -> None:
         max_blocks = max(len(s.block_table) for s in seqs)

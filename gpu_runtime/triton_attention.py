@@ -2,7 +2,9 @@
 
 One program per (query row, query head): it walks the row's sequence's block
 table up to the row's visible context length with an online softmax, so
-prefill chunks and decodes share one launch with no padding. Simple rather
+prefill chunks and decodes share one launch with no padding. With a sliding
+window W (a scalar per launch: one layer) a row at context length c starts at
+key c - W, skipping the blocks before it. Simple rather
 than fast: no split-K and one head per program; a tuned kernel replaces it
 behind the same launcher signature.
 
@@ -19,7 +21,7 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_idx_ptr, ctx_len_ptr, scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_idx_ptr, ctx_len_ptr, scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -28,6 +30,8 @@ def _paged_attention_kernel(
     kv_head = head // GROUP
     seq = tl.load(seq_idx_ptr + row)
     ctx_len = tl.load(ctx_len_ptr + row)
+    # The first visible key: 0, or with a window (> 0) the first of the last `window`.
+    first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     offs_s = tl.arange(0, BLOCK_SIZE)
@@ -36,9 +40,10 @@ def _paged_attention_kernel(
     m_i = tl.zeros([], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for b in range(0, tl.cdiv(ctx_len, BLOCK_SIZE)):
+    for b in range(first // BLOCK_SIZE, tl.cdiv(ctx_len, BLOCK_SIZE)):
         block_id = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
-        s_mask = (b * BLOCK_SIZE + offs_s) < ctx_len
+        key_pos = b * BLOCK_SIZE + offs_s
+        s_mask = (key_pos < ctx_len) & (key_pos >= first)
         offs = block_id * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh
         kv_mask = s_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + offs + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -63,7 +68,10 @@ def _check_inputs(
     block_tables: torch.Tensor,
     token_seq_idx: torch.Tensor,
     token_ctx_len: torch.Tensor,
+    window: int | None = None,
 ) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of keys or None, got {window}")
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
             f"q must be [T, H, D], caches [N, bs, n_kv, D]; got {q.shape}, {k_cache.shape}"
@@ -98,16 +106,18 @@ def paged_attention_triton(
     token_seq_idx: torch.Tensor,
     token_ctx_len: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; caches: [N, bs, n_kv, D]; block_tables: [B, max_blocks] int32;
-    token_seq_idx, token_ctx_len: [T] int32 -> [T, H, D]."""
-    _check_inputs(q, k_cache, v_cache, block_tables, token_seq_idx, token_ctx_len)
+    token_seq_idx, token_ctx_len: [T] int32 -> [T, H, D]. `window`: each row sees only
+    its last `window` keys (sliding-window attention); None: all of them."""
+    _check_inputs(q, k_cache, v_cache, block_tables, token_seq_idx, token_ctx_len, window)
     num_rows, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
     _paged_attention_kernel[(num_rows, num_heads)](
-        q, k_cache, v_cache, out, block_tables, token_seq_idx, token_ctx_len, scale,
+        q, k_cache, v_cache, out, block_tables, token_seq_idx, token_ctx_len, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
@@ -124,16 +134,18 @@ def paged_attention_reference(
     token_seq_idx: torch.Tensor,
     token_ctx_len: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference with the launcher's signature (one row at a time)."""
-    _check_inputs(q, k_cache, v_cache, block_tables, token_seq_idx, token_ctx_len)
+    _check_inputs(q, k_cache, v_cache, block_tables, token_seq_idx, token_ctx_len, window)
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     for row in range(q.shape[0]):
         ctx_len = int(token_ctx_len[row])
+        first = 0 if window is None else max(0, ctx_len - window)
         table = block_tables[int(token_seq_idx[row])].long()
-        k = k_cache[table].flatten(0, 1)[:ctx_len].float()  # [ctx, n_kv, D]
-        v = v_cache[table].flatten(0, 1)[:ctx_len].float()
+        k = k_cache[table].flatten(0, 1)[first:ctx_len].float()  # [visible, n_kv, D]
+        v = v_cache[table].flatten(0, 1)[first:ctx_len].float()
         k = k.repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,chd->hc", q[row].float(), k) * scale  # [H, ctx]

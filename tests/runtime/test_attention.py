@@ -28,24 +28,35 @@ def test_triton_kernel_matches_reference_in_interpreter():
     assert "OK" in proc.stdout
 
 
-def test_torch_paths_match_reference():
+@pytest.mark.parametrize("window", [None, 3, 5, 16, 20])
+def test_torch_paths_match_reference(window):
+    """Decode (context 37), a chunk after 20 cached tokens, a fresh 7-token prefill —
+    with full attention and with sliding windows inside, at and across block bounds."""
     pytest.importorskip("triton")
     from gpu_runtime.triton_attention import paged_attention_reference
 
     q, k_cache, v_cache, tables, seq_idx, ctx_len, scale = make_case()
-    ref = paged_attention_reference(q, k_cache, v_cache, tables, seq_idx, ctx_len, scale)
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, seq_idx, ctx_len, scale,
+                                    window=window)
+    if window is not None:  # the window changes the answer (so the test can fail)
+        full = paged_attention_reference(q, k_cache, v_cache, tables, seq_idx, ctx_len, scale)
+        assert (full - ref).abs().max() > 1e-3
     kv = torch.stack((k_cache, v_cache))  # [2, N, bs, n_kv, D]
     bt = tables.long()
-    mask = (torch.arange(48)[None, :] < 37)[:, None, None, :]
-    dec = decode_attention(q[:1], kv, bt[:1], mask, scale)
+    keys = torch.arange(48)[None, :]
+    visible = keys < 37
+    if window is not None:
+        visible &= keys >= 37 - window
+    dec = decode_attention(q[:1], kv, bt[:1], visible[:, None, None, :], scale)
     assert (dec - ref[:1]).abs().max() < 1e-5
     chunk = PrefillChunk(1, 6, 20, bt[1, :2])
-    pre = prefill_attention(q[1:6], None, None, kv, chunk, scale)
+    pre = prefill_attention(q[1:6], None, None, kv, chunk, scale, window)
     assert (pre - ref[1:6]).abs().max() < 1e-5
     fresh = bt[2, :1]
     k_new = k_cache[fresh].flatten(0, 1)[:7]
     v_new = v_cache[fresh].flatten(0, 1)[:7]
-    out = prefill_attention(q[6:], k_new, v_new, kv, PrefillChunk(6, 13, 0, fresh), scale)
+    out = prefill_attention(q[6:], k_new, v_new, kv, PrefillChunk(6, 13, 0, fresh), scale,
+                            window)
     assert (out - ref[6:]).abs().max() < 1e-5
 
 

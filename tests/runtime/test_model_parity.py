@@ -24,11 +24,14 @@ VARIANTS = {
             original_max_position_embeddings=64,
         ),
     ),
-    # Mistral with a sliding window wider than every test context (prompt 23 +
-    # 20 tokens): the runtime caps contexts at the window, where the two agree.
-    "mistral_window": dict(arch="mistral", sliding_window=64),
+    # Mistral: every layer attends to the last 7 positions only, far fewer than the
+    # test contexts (up to 60 tokens), and not a multiple of the 16-token block.
+    "mistral_window": dict(arch="mistral", sliding_window=7),
     # Qwen2: q/k/v biases without an `attention_bias` key.
     "qwen2": dict(arch="qwen2", num_key_value_heads=1),
+    # Qwen2 whose second layer slides over 5 positions, its first attends to all.
+    "qwen2_mixed_window": dict(arch="qwen2", num_key_value_heads=1, use_sliding_window=True,
+                               sliding_window=5, max_window_layers=1),
 }
 
 
@@ -100,26 +103,22 @@ def test_batch7_ragged_mixed_steps_match_hf(checkpoint):
     assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
 
 
-def test_sliding_window_caps_the_context(tmp_path):
-    from gpu_runtime import ContextTooLongError, ModelLoadError
-
-    path, _ = make_hf_checkpoint(tmp_path, arch="mistral", sliding_window=48)
-    rt = make_runtime(path)
-    assert rt.model_config.sliding_window == 48
-    assert rt.max_model_len == 48  # not max_position_embeddings (512)
-    with pytest.raises(ContextTooLongError, match="limit is 47"):
-        rt.add_sequence("long", _prompt(48, 2), greedy(4))
-    rt.add_sequence("fits", _prompt(40, 2), greedy(20))
-    plan = {"fits": 40}
-    steps = 0
-    while rt.sequences:
-        out = rt.execute(StepPlan(plan))
-        plan = {"fits": 1}
-        steps += 1
-    assert out.outputs[0].finish_reason == "length"
-    assert steps == 8  # 40 + 8 = 48 tokens: the window, never beyond
-    with pytest.raises(ModelLoadError, match="sliding attention window"):
-        make_runtime(path, max_model_len=100)
+def test_sliding_window_serves_beyond_the_window(tmp_path):
+    """Contexts are not capped at the window: the model's own limit applies, and a
+    session's second turn reuses its cached blocks (windowed layers read from them)."""
+    path, hf = make_hf_checkpoint(tmp_path, arch="mistral", sliding_window=12)
+    rt = make_runtime(path, max_model_len=200)
+    assert rt.model_config.sliding_window == 12 and rt.max_model_len == 200
+    first = _prompt(70, 3)
+    rt.add_sequence("t1", first, greedy(1))
+    rt.execute(StepPlan({"t1": 70}))
+    second = first + _prompt(30, 4)
+    cached = rt.add_sequence("t2", second, greedy(1))
+    assert cached == 64  # four full blocks of the first turn
+    out = rt.execute(StepPlan({"t2": len(second) - cached}, return_logits=True))
+    ref = hf_logits(hf, second)[-1]
+    assert (out.logits["t2"] - ref).abs().max().item() <= TOL
+    rt.check_invariants()
 
 
 def test_qwen2_window_only_when_used(tmp_path):
@@ -129,11 +128,16 @@ def test_qwen2_window_only_when_used(tmp_path):
             "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
             "sliding_window": 32}
     assert ModelConfig.from_dict({**base, "use_sliding_window": False}).sliding_window is None
-    assert ModelConfig.from_dict({**base, "use_sliding_window": True}).sliding_window == 32
-    layers = {"layer_types": ["full_attention", "sliding_attention"]}
-    assert ModelConfig.from_dict({**base, **layers}).sliding_window == 32
+    # Without layer_types, layers from max_window_layers (default 28) on slide.
+    assert ModelConfig.from_dict({**base, "use_sliding_window": True}).sliding_window is None
+    config = ModelConfig.from_dict({**base, "use_sliding_window": True, "max_window_layers": 1})
+    assert config.sliding_window == 32 and config.sliding_layers == (False, True)
+    assert (config.layer_window(0), config.layer_window(1)) == (None, 32)
+    layers = {"layer_types": ["sliding_attention", "full_attention"]}
+    config = ModelConfig.from_dict({**base, **layers})
+    assert (config.layer_window(0), config.layer_window(1)) == (32, None)
     assert ModelConfig.from_dict(
         {**base, "layer_types": ["full_attention"] * 2}).sliding_window is None
     mistral = {**base, "architectures": ["MistralForCausalLM"]}
-    assert ModelConfig.from_dict(mistral).sliding_window == 32
+    assert ModelConfig.from_dict(mistral).sliding_layers == (True, True)
     assert ModelConfig.from_dict({**mistral, "sliding_window": None}).sliding_window is None

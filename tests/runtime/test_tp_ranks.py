@@ -191,3 +191,15 @@ def test_tp_check_cpu_gloo_path(capsys):
 
     assert main(["--device", "cpu", "--tp", "2", "--steps", "5"]) == 0
     assert capsys.readouterr().out.strip().endswith("OK")
+
+
+def test_sliding_window_tp2_equals_tp1(tmp_path):
+    """Qwen2 with a full and a sliding-window layer (window 5; contexts grow to 31 tokens)."""
+    path, _ = make_hf_checkpoint(tmp_path, arch="qwen2", seed=8, num_key_value_heads=2,
+                                 use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    prompts = random_prompts(2, 256)
+    with make_runtime(path, max_adapters=0) as rt1:
+        assert rt1.model_config.sliding_layers == (False, True)
+        expected = run_mixed(rt1, prompts, [None, None])
+    with make_runtime(path, max_adapters=0, **TP) as rt2:
+        assert_same_runs(run_mixed(rt2, prompts, [None, None]), expected)

@@ -42,14 +42,16 @@ def main() -> None:
         raise SystemExit("set TRITON_INTERPRET=1")
     from gpu_runtime.triton_attention import paged_attention_reference, paged_attention_triton
 
-    for seed, head_dim in ((0, 24), (1, 32)):
+    # Windows: none; inside one block; exactly a block; across a block boundary.
+    for seed, head_dim, window in ((0, 24, None), (1, 32, None), (2, 24, 5), (3, 24, 16),
+                                   (4, 32, 20)):
         args = make_case(seed, head_dim)
-        got = paged_attention_triton(*args)
-        ref = paged_attention_reference(*args)
+        got = paged_attention_triton(*args, window=window)
+        ref = paged_attention_reference(*args, window=window)
         diff = (got - ref).abs().max().item()
         if diff > 1e-4:
-            raise SystemExit(f"mismatch: head_dim={head_dim} max abs diff {diff}")
-        print(f"head_dim={head_dim}: max abs diff {diff:.2e}")
+            raise SystemExit(f"mismatch: head_dim={head_dim} window={window} max abs diff {diff}")
+        print(f"head_dim={head_dim} window={window}: max abs diff {diff:.2e}")
     print("OK")
 
 
