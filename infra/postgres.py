@@ -211,7 +211,7 @@ def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
     user = _run_as()
     pid = running_pid(cfg)
     if pid is not None and _ready(cfg):
-        if _login(cfg) is None:
+        if not _wrong_password(_login(cfg)):
             return status(cfg)
         # Our own server, but its password is not the one we hold: stop it to set ours.
         stop_pid(pid, signal.SIGINT, 30)
@@ -229,7 +229,7 @@ def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
         paths["link"].symlink_to(paths["root"])
     _start(cfg, paths, user, wait_s)
     refused = _login(cfg)
-    if refused is not None and "password authentication failed" in refused:
+    if _wrong_password(refused):
         # A password kept from another cluster at this path: set ours, keep the data.
         down(cfg)
         _reset_password(paths, user)
@@ -283,6 +283,10 @@ def _login(cfg: InfraConfig) -> str | None:
     """None when we can log in with the password we hold, else the server's refusal."""
     result = _psql(cfg, "SELECT 1")
     return None if result.returncode == 0 else result.stderr.strip()
+
+
+def _wrong_password(refusal: str | None) -> bool:
+    return refusal is not None and "password authentication failed" in refusal
 
 
 def _ensure_database(cfg: InfraConfig) -> None:
