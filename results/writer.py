@@ -8,8 +8,9 @@ While the broker is away the producer keeps retrying a sent record (it does
 not fail it after its request timeout once the partition's leader is known),
 so a terminal event sent during an outage is delivered when the broker returns
 (tested in tests/integration/test_faults.py). A terminal event the reply topic
-refuses for good (authorization, record size, invalid topic) dead-letters the
-request with the reason instead, so no offset is stuck behind it.
+refuses for good (authorization, record size, invalid topic), or whose reply
+topic the broker says was deleted, dead-letters the request with the reason
+instead, so no offset is stuck behind it.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ from sluice.settings import Settings
 log = logging.getLogger(__name__)
 
 # A terminal event the producer will not take (its reply topic has no metadata:
-# deleted, or the broker away) is tried this many times, RESEND_BACKOFF_S apart
-# and each try waiting up to the request timeout, before the request is
-# dead-lettered instead.
+# the broker away, say) is tried this many times, RESEND_BACKOFF_S apart and each
+# try waiting up to the request timeout, before the request is dead-lettered
+# instead. A reply topic the broker says is gone (deleted mid-request) is not
+# waited for: twice absent from the broker's metadata, GONE_RECHECK_S apart, and
+# the request is dead-lettered at once.
 TERMINAL_SEND_TRIES = 10
 RESEND_BACKOFF_S = 1.0
+GONE_RECHECK_S = 1.0
 
 OnFinished = Callable[[object, int], None]
 
@@ -220,6 +224,8 @@ class ResultWriter:
             if self._closing:
                 log.error("terminal event for offset %s of %s not sent (%s); it stays "
                           "unfinished", ctx.offset, ctx.topic_partition, exc)
+            elif _retriable(exc) and await self._reply_topic_gone(ctx.reply_topic):
+                await self._undeliverable(ctx, exc, gone=True)
             elif _retriable(exc) and tries_left > 1:
                 log.warning("terminal event to %s not sent yet (%s); trying again",
                             ctx.reply_topic, exc, extra={"request_id": ctx.request.request_id})
@@ -239,12 +245,37 @@ class ResultWriter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _undeliverable(self, ctx: InFlight, exc: BaseException) -> None:
+    async def _reply_topic_gone(self, topic: str) -> bool:
+        """True only when the broker answers, twice, that `topic` does not exist (it was
+        deleted); False while it exists or while no broker can be asked (an outage
+        passes with time, a deletion does not)."""
+        for check in range(2):
+            if check:
+                await asyncio.sleep(GONE_RECHECK_S)
+            try:
+                metadata = await self._producer.client.fetch_all_metadata()
+            except (TimeoutError, KafkaError, OSError):
+                return False
+            if metadata.partitions_for_topic(topic):
+                return False
+        return True
+
+    async def _ack_failed(self, ctx: InFlight, exc: BaseException) -> None:
+        if not _retriable(exc) or await self._reply_topic_gone(ctx.reply_topic):
+            await self._undeliverable(ctx, exc, gone=_retriable(exc))
+            return
+        # Not acknowledged: leave the offset unfinished so it is served again.
+        log.error("terminal event for offset %s of %s not acknowledged: %s", ctx.offset,
+                  ctx.topic_partition, exc)
+
+    async def _undeliverable(self, ctx: InFlight, exc: BaseException, gone: bool = False) -> None:
         """The reply topic refuses the terminal event for good (authorization, size,
-        invalid topic): the request goes to the dead-letter topic with the reason, and
-        its offset is finished once that is acknowledged — never silently stuck."""
+        invalid topic) or no longer exists: the request goes to the dead-letter topic with
+        the reason, and its offset is finished once that is acknowledged — never silently
+        stuck."""
+        why = "the topic no longer exists" if gone else f"{type(exc).__name__}: {exc}"
         reason = (f"the request's terminal event could not be written to its reply topic "
-                  f"{ctx.reply_topic!r}: {type(exc).__name__}: {exc}")
+                  f"{ctx.reply_topic!r}: {why}")
         log.error("%s; dead-lettering the request", reason,
                   extra={"request_id": ctx.request.request_id})
         tp = ctx.topic_partition
@@ -282,7 +313,8 @@ class ResultWriter:
     def _track(self, future: asyncio.Future[object], tp: object, offset: int,
                fallback: InFlight | None = None) -> None:
         """Finish `offset` once `future` is acknowledged. A terminal event refused for
-        good goes to the dead-letter topic instead (`fallback`: its request)."""
+        good, or whose reply topic is gone, goes to the dead-letter topic instead
+        (`fallback`: its request)."""
         self._pending.add(future)
 
         def acked(fut: asyncio.Future[object]) -> None:
@@ -291,8 +323,8 @@ class ResultWriter:
             if exc is None and not fut.cancelled():
                 self._on_finished(tp, offset)
                 return
-            if fallback is not None and exc is not None and not _retriable(exc):
-                self._in_background(self._undeliverable(fallback, exc))
+            if fallback is not None and exc is not None:
+                self._in_background(self._ack_failed(fallback, exc))
                 return
             # Not acknowledged: leave the offset unfinished so it is served again.
             log.error("record finishing offset %s of %s not acknowledged: %s", offset, tp, exc)

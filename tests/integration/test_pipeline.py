@@ -193,6 +193,60 @@ async def test_a_terminal_the_reply_topic_refuses_dead_letters_the_request(
         await drop_schema(settings)
 
 
+async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
+    settings, tiny_model, tmp_path, monkeypatch
+) -> None:
+    """The reply topic is deleted after the worker has checked it: the terminal event
+    has nowhere to go, so once the broker says (twice) that the topic is gone, the
+    request is dead-lettered naming it, and the partition's commit point moves past —
+    instead of retrying for ten request timeouts or staying unfinished."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from schemas import InferenceRequest, encode
+
+    monkeypatch.setenv("SLUICE_CLIENT__TIMEOUT_SECS", "5")  # the worker's request timeout
+    client, key = _setup(settings, tiny_model)
+    doomed = f"{settings.topic_prefix}.doomed-replies"
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await producer.start()
+    try:
+        await admin.create_topics([NewTopic(doomed, 1, 1)])
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            first = await asyncio.wait_for(client.complete(
+                model="tiny", api_key=key, prompt="hello", max_tokens=3, reply_topic=doomed,
+                request_id="before"), 120)  # the worker has now seen the topic exist
+            assert first.usage.completion_tokens >= 1
+            await admin.delete_topics([doomed])
+            async with asyncio.timeout(30):
+                while doomed in await admin.list_topics():
+                    await asyncio.sleep(0.2)
+            orphan = InferenceRequest(request_id="orphan", model="tiny", prompt="hi again",
+                                      max_tokens=3, reply_topic=doomed)
+            await producer.send_and_wait(
+                settings.requests_topic("tiny"), encode(orphan),
+                key=orphan.partition_key.encode(),
+                headers=[("authorization", f"Bearer {key}".encode())])
+            dead = await _read_until(settings, settings.topic("deadletter"), bool, 90)
+            record = decode(DeadLetterRecord, dead[0].value)
+            assert decode(InferenceRequest, record.value()).request_id == "orphan", worker.log()
+            assert doomed in record.reason and "no longer exists" in record.reason
+            async with asyncio.timeout(30):  # the commit point moves past the orphan
+                while True:
+                    offsets = await admin.list_consumer_group_offsets(settings.topic("tiny"))
+                    committed = {tp.partition: o.offset for tp, o in offsets.items()}
+                    if committed.get(record.partition, -1) > record.offset:
+                        break
+                    await asyncio.sleep(0.5)
+            assert worker.proc.poll() is None
+    finally:
+        await producer.stop()
+        await admin.close()
+        await client.aclose()
+        await drop_schema(settings)
+
+
 async def test_request_expired_before_any_worker_times_out(settings, tiny_model,
                                                            tmp_path) -> None:
     client, key = _setup(settings, tiny_model)
