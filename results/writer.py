@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 TERMINAL_SEND_TRIES = 10
 RESEND_BACKOFF_S = 1.0
 GONE_RECHECK_S = 1.0
+# Events are written one after another, so no send waits inline longer than this for
+# a topic's metadata (a deleted reply topic would otherwise hold up every request's
+# events for a request timeout): token events to such a topic are dropped (the
+# terminal event carries every token), its terminal event is retried in the background.
+METADATA_WAIT_S = 2.0
+UNREADY_FOR_S = 5.0  # after such a wait fails, the topic's events skip waiting this long
 
 OnFinished = Callable[[object, int], None]
 
@@ -70,6 +76,7 @@ class ResultWriter:
         )
         self._pending: set[asyncio.Future[object]] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self._unready_until: dict[str, float] = {}  # topic -> monotonic time
         self._closing = False
         self.num_terminal = 0
 
@@ -216,29 +223,58 @@ class ResultWriter:
         self.num_terminal += 1
         await self._send_terminal(ctx, value, TERMINAL_SEND_TRIES)
 
-    async def _send_terminal(self, ctx: InFlight, value: bytes, tries_left: int) -> None:
+    async def _send_terminal(self, ctx: InFlight, value: bytes, tries_left: int,
+                             in_background: bool = False) -> None:
+        """Inline (the writer's own loop) a send waits for the reply topic's metadata at
+        most METADATA_WAIT_S; in the background, as long as the producer does (its
+        request timeout), so an outage is waited out as before."""
         try:
+            if not in_background and not await self._topic_ready(ctx.reply_topic):
+                raise KafkaTimeoutError(f"no metadata for {ctx.reply_topic!r} yet")
             future = await self._producer.send(ctx.reply_topic, value,
                                                key=ctx.request.request_id.encode())
         except KafkaError as exc:  # the producer would not take it (no topic metadata, ...)
             if self._closing:
                 log.error("terminal event for offset %s of %s not sent (%s); it stays "
                           "unfinished", ctx.offset, ctx.topic_partition, exc)
-            elif _retriable(exc) and await self._reply_topic_gone(ctx.reply_topic):
-                await self._undeliverable(ctx, exc, gone=True)
-            elif _retriable(exc) and tries_left > 1:
-                log.warning("terminal event to %s not sent yet (%s); trying again",
-                            ctx.reply_topic, exc, extra={"request_id": ctx.request.request_id})
-                self._in_background(self._send_terminal_later(ctx, value, tries_left - 1))
+            elif _retriable(exc):
+                # In the background: one request's unavailable reply topic never holds
+                # up others.
+                self._in_background(self._retry_terminal(ctx, value, tries_left, exc))
             else:
                 await self._undeliverable(ctx, exc)
             return
         self._track(future, ctx.topic_partition, ctx.offset, fallback=ctx)
 
-    async def _send_terminal_later(self, ctx: InFlight, value: bytes, tries_left: int) -> None:
-        # In the background: one request's unavailable reply topic never holds up others.
-        await asyncio.sleep(RESEND_BACKOFF_S)
-        await self._send_terminal(ctx, value, tries_left)
+    async def _retry_terminal(self, ctx: InFlight, value: bytes, tries_left: int,
+                              exc: KafkaError) -> None:
+        if await self._reply_topic_gone(ctx.reply_topic):
+            await self._undeliverable(ctx, exc, gone=True)
+        elif tries_left > 1:
+            log.warning("terminal event to %s not sent yet (%s); trying again",
+                        ctx.reply_topic, exc, extra={"request_id": ctx.request.request_id})
+            await asyncio.sleep(RESEND_BACKOFF_S)
+            await self._send_terminal(ctx, value, tries_left - 1, in_background=True)
+        else:
+            await self._undeliverable(ctx, exc)
+
+    async def _topic_ready(self, topic: str) -> bool:
+        """Whether the producer knows `topic`'s partitions, waiting for them at most
+        METADATA_WAIT_S (milliseconds for a topic that exists)."""
+        if self._producer.client.cluster.partitions_for_topic(topic):
+            return True  # known: the common case, no task to wait on
+        if time.monotonic() < self._unready_until.get(topic, 0.0):
+            return False
+        try:
+            await asyncio.wait_for(self._producer.partitions_for(topic), METADATA_WAIT_S)
+        except (TimeoutError, KafkaError):
+            now = time.monotonic()
+            self._unready_until = {t: until for t, until in self._unready_until.items()
+                                   if until > now}  # forget topics that expired
+            self._unready_until[topic] = now + UNREADY_FOR_S
+            return False
+        self._unready_until.pop(topic, None)
+        return True
 
     def _in_background(self, work: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -297,6 +333,8 @@ class ResultWriter:
         """A record that finishes nothing (tokens, the timeouts log): a failure is
         logged and never keeps the request's terminal event from being sent."""
         try:
+            if not await self._topic_ready(topic):
+                raise KafkaTimeoutError(f"no metadata for {topic!r} within {METADATA_WAIT_S} s")
             future = await self._producer.send(topic, value, key=key.encode())
         except Exception as exc:
             log.warning("a record to %s could not be sent: %s", topic, exc)

@@ -199,18 +199,34 @@ async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
     """The reply topic is deleted after the worker has checked it: the terminal event
     has nowhere to go, so once the broker says (twice) that the topic is gone, the
     request is dead-lettered naming it, and the partition's commit point moves past —
-    instead of retrying for ten request timeouts or staying unfinished."""
+    instead of retrying for ten request timeouts or staying unfinished. Requests to the
+    gone topic never hold up other requests' events (the writer is sequential, and
+    waiting for the topic's metadata could take a whole request timeout, 30 s here)."""
+    import time
+
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     from schemas import InferenceRequest, encode
 
-    monkeypatch.setenv("SLUICE_CLIENT__TIMEOUT_SECS", "5")  # the worker's request timeout
+    monkeypatch.setenv("SLUICE_CLIENT__TIMEOUT_SECS", "30")  # the worker's request timeout
     client, key = _setup(settings, tiny_model)
     doomed = f"{settings.topic_prefix}.doomed-replies"
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
     await admin.start()
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
     await producer.start()
+
+    async def orphan(request_id: str) -> None:
+        request = InferenceRequest(request_id=request_id, model="tiny", prompt="hi again",
+                                   max_tokens=3, reply_topic=doomed)
+        await producer.send_and_wait(
+            settings.requests_topic("tiny"), encode(request), key=request.partition_key.encode(),
+            headers=[("authorization", f"Bearer {key}".encode())])
+
+    def dead_ids(records) -> set[str]:
+        return {decode(InferenceRequest, decode(DeadLetterRecord, r.value).value()).request_id
+                for r in records}
+
     try:
         await admin.create_topics([NewTopic(doomed, 1, 1)])
         with worker_process(settings, "tiny", tmp_path) as worker:
@@ -222,15 +238,10 @@ async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
             async with asyncio.timeout(30):
                 while doomed in await admin.list_topics():
                     await asyncio.sleep(0.2)
-            orphan = InferenceRequest(request_id="orphan", model="tiny", prompt="hi again",
-                                      max_tokens=3, reply_topic=doomed)
-            await producer.send_and_wait(
-                settings.requests_topic("tiny"), encode(orphan),
-                key=orphan.partition_key.encode(),
-                headers=[("authorization", f"Bearer {key}".encode())])
-            dead = await _read_until(settings, settings.topic("deadletter"), bool, 90)
+            await orphan("orphan-1")  # its events go out on the topic's cached metadata
+            dead = await _read_until(settings, settings.topic("deadletter"), bool, 120)
             record = decode(DeadLetterRecord, dead[0].value)
-            assert decode(InferenceRequest, record.value()).request_id == "orphan", worker.log()
+            assert dead_ids(dead) == {"orphan-1"}, worker.log()
             assert doomed in record.reason and "no longer exists" in record.reason
             async with asyncio.timeout(30):  # the commit point moves past the orphan
                 while True:
@@ -239,6 +250,17 @@ async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
                     if committed.get(record.partition, -1) > record.offset:
                         break
                     await asyncio.sleep(0.5)
+
+            await orphan("orphan-2")  # now the producer has no metadata for the topic
+            for i in range(3):
+                started = time.monotonic()
+                healthy = await asyncio.wait_for(client.complete(
+                    model="tiny", api_key=key, prompt=f"still here {i}", max_tokens=3), 60)
+                assert healthy.usage.completion_tokens >= 1
+                assert time.monotonic() - started < 15, worker.log()
+            dead = await _read_until(settings, settings.topic("deadletter"),
+                                     lambda rs: len(rs) >= 2, 120)
+            assert dead_ids(dead) == {"orphan-1", "orphan-2"}
             assert worker.proc.poll() is None
     finally:
         await producer.stop()
