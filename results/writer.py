@@ -39,6 +39,7 @@ from schemas import (
 )
 from sluice.metrics import WorkerMetrics
 from sluice.settings import Settings
+from sluice.topics import partitions_of
 
 log = logging.getLogger(__name__)
 
@@ -289,10 +290,9 @@ class ResultWriter:
             if check:
                 await asyncio.sleep(GONE_RECHECK_S)
             try:
-                metadata = await self._producer.client.fetch_all_metadata()
+                if await partitions_of(self._producer, topic):
+                    return False
             except (TimeoutError, KafkaError, OSError):
-                return False
-            if metadata.partitions_for_topic(topic):
                 return False
         return True
 

@@ -118,11 +118,13 @@ class TopicAdmin:
         )
 
 
-async def partitions_of(consumer: object, topic: str) -> set[int]:
+async def partitions_of(client_of: object, topic: str) -> set[int]:
     """The partitions of `topic`, fetched fresh from the broker (empty if it does not exist).
 
-    aiokafka's `partitions_for_topic` only knows topics the client already
-    follows; this asks the broker for full metadata instead.
+    `client_of`: an aiokafka consumer or producer. Their `partitions_for_topic`
+    only knows topics the client already follows; this asks the broker for full
+    metadata instead (raising `KafkaError` when no broker answers).
     """
-    metadata = await consumer._client.fetch_all_metadata()  # type: ignore[attr-defined]
+    client = getattr(client_of, "client", None) or client_of._client  # type: ignore[attr-defined]
+    metadata = await client.fetch_all_metadata()
     return set(metadata.partitions_for_topic(topic) or ())
