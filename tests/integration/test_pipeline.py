@@ -44,6 +44,18 @@ async def _read_until(settings: Settings, topic: str, found, timeout_s: float = 
     return out
 
 
+async def _committed_past(admin, group: str, record: DeadLetterRecord) -> None:
+    """Wait until `group`'s commit point on the dead-lettered record's partition has
+    moved past it: nothing stuck behind it."""
+    async with asyncio.timeout(30):
+        while True:
+            offsets = await admin.list_consumer_group_offsets(group)
+            committed = {tp.partition: o.offset for tp, o in offsets.items()}
+            if committed.get(record.partition, -1) > record.offset:
+                return
+            await asyncio.sleep(0.5)
+
+
 def _scrape(worker) -> str:
     import re
     import time
@@ -179,13 +191,7 @@ async def test_a_terminal_the_reply_topic_refuses_dead_letters_the_request(
             after = await asyncio.wait_for(client.complete(
                 model="tiny", api_key=key, prompt="and a normal one", max_tokens=3), 60)
             assert after.usage.completion_tokens >= 1
-            async with asyncio.timeout(30):  # the commit point moves past the refused one
-                while True:
-                    offsets = await admin.list_consumer_group_offsets(settings.topic("tiny"))
-                    committed = {tp.partition: o.offset for tp, o in offsets.items()}
-                    if committed.get(record.partition, -1) > record.offset:
-                        break
-                    await asyncio.sleep(0.5)
+            await _committed_past(admin, settings.topic("tiny"), record)
             assert worker.proc.poll() is None
     finally:
         await admin.close()
@@ -243,13 +249,7 @@ async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
             record = decode(DeadLetterRecord, dead[0].value)
             assert dead_ids(dead) == {"orphan-1"}, worker.log()
             assert doomed in record.reason and "no longer exists" in record.reason
-            async with asyncio.timeout(30):  # the commit point moves past the orphan
-                while True:
-                    offsets = await admin.list_consumer_group_offsets(settings.topic("tiny"))
-                    committed = {tp.partition: o.offset for tp, o in offsets.items()}
-                    if committed.get(record.partition, -1) > record.offset:
-                        break
-                    await asyncio.sleep(0.5)
+            await _committed_past(admin, settings.topic("tiny"), record)
 
             await orphan("orphan-2")  # now the producer has no metadata for the topic
             for i in range(3):
