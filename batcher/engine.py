@@ -93,6 +93,19 @@ class Engine:
             return
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-step")
         self._task = asyncio.create_task(self._run(), name="sluice-engine")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The loop survives step failures; if it dies anyway (a bug), say so and mark
+        the engine failed so its owner stops instead of waiting forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        _log.error("engine loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self.fatal = exc
+        self._closing = True
+        self.failed.set()
+        self._idle.set()
 
     async def drain(self) -> None:
         """Accept nothing new; return once every submitted request has ended."""

@@ -5,7 +5,14 @@ One consumer per worker replica, in group `<prefix>.<model>` with a static
 cache — stay with a replica across restarts. Each record ends one of three
 ways: handed to the engine, answered at once with an `error` event, or
 dead-lettered when it cannot even be answered (no request id, or a reply
-topic it may not use). Records are handled in partition order.
+topic it may not use, or bytes the Kafka client could not even hand over —
+see `ingest.safe_fetch`). Records are handled in partition order.
+
+Requests are read `read_committed`: a transactional producer's aborted
+requests are never served. Session keys are expected on their murmur2
+partition (the Java client's default partitioner); a key found elsewhere
+means a producer partitions differently (librdkafka's default CRC32, say)
+and splits sessions across workers, so it is counted and warned about.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.partitioner import murmur2
 from aiokafka.structs import ConsumerRecord
 
 from ingest.offsets import OffsetTracker
 from ingest.permissions import Decision, PermissionChecker, PermissionsUnavailable
 from ingest.prompting import PromptBuilder, PromptError
+from ingest.safe_fetch import SafeFetcher, Unreadable
 from results.writer import ResultWriter
 from schemas import ErrorCode, InferenceRequest, SchemaError, decode
 from schemas.names import ID_PATTERN, is_valid_topic
@@ -49,6 +58,15 @@ class Accepted:
 
 
 Submit = Callable[[Accepted], Awaitable[None]]
+OnMisrouted = Callable[[int], None]
+
+# A producer partitioning keys differently is warned about at most this often.
+MISROUTED_WARN_EVERY_S = 600.0
+
+
+def murmur2_partition(key: bytes, num_partitions: int) -> int:
+    """The partition Kafka's Java client (and aiokafka) picks for `key`."""
+    return (murmur2(key) & 0x7FFFFFFF) % num_partitions
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -66,7 +84,8 @@ class RequestIngest:
     def __init__(self, settings: Settings, *, model: str, instance_id: str,
                  tracker: OffsetTracker, writer: ResultWriter, checker: PermissionChecker,
                  prompts: PromptBuilder, submit: Submit,
-                 on_revoked: Callable[[list[TopicPartition]], Awaitable[None]]):
+                 on_revoked: Callable[[list[TopicPartition]], Awaitable[None]],
+                 on_misrouted: OnMisrouted | None = None):
         self.settings = settings
         self.model = model
         self.tracker = tracker
@@ -77,16 +96,21 @@ class RequestIngest:
         self._revoked_hook = on_revoked
         self.adapters: frozenset[str] = frozenset()
         self.max_ttft_ms = 60_000
+        self._on_misrouted = on_misrouted
         self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.kafka_bootstrap, group_id=settings.topic(model),
+            **settings.kafka_options(), group_id=settings.topic(model),
             group_instance_id=instance_id, enable_auto_commit=False,
-            auto_offset_reset="earliest", session_timeout_ms=10_000,
-            heartbeat_interval_ms=1_000, max_partition_fetch_bytes=8 * 1024 * 1024,
-            fetch_max_bytes=16 * 1024 * 1024,
+            auto_offset_reset="earliest", isolation_level="read_committed",
+            session_timeout_ms=10_000, heartbeat_interval_ms=1_000,
+            max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=16 * 1024 * 1024,
         )
+        self.fetcher = SafeFetcher(self.consumer)
         self._known_topics: set[str] = set()
         self._topics_checked = 0.0
+        self._misrouted_warned_at = -MISROUTED_WARN_EVERY_S
+        self._misrouted_since_warning = 0
         self.num_records = 0
+        self.num_misrouted = 0
 
     async def start(self) -> None:
         await self.consumer.start()
@@ -106,6 +130,8 @@ class RequestIngest:
             committed = await self.consumer._coordinator.fetch_committed_offsets([tp])
             meta = committed.get(tp)
             self.tracker.assign(tp, meta.metadata if meta is not None else None)
+            self.fetcher.assigned(tp, meta.offset if meta is not None and meta.offset >= 0
+                                  else None)
             log.info("assigned partition %d (committed %s)", tp.partition,
                      None if meta is None else f"{meta.offset} {meta.metadata}")
 
@@ -113,22 +139,26 @@ class RequestIngest:
         await self._revoked_hook(revoked)
         for tp in revoked:
             self.tracker.revoke(tp)
+            self.fetcher.revoked(tp)
 
     async def poll(self, max_records: int) -> int:
         """Read and handle up to `max_records`; returns how many were read."""
-        batch = await self.consumer.getmany(timeout_ms=50, max_records=max_records)
-        records = [r for tp in sorted(batch, key=lambda t: t.partition) for r in batch[tp]]
+        records, unreadable = await self.fetcher.getmany(timeout_ms=50, max_records=max_records)
         attempts = [
             self.tracker.start(TopicPartition(r.topic, r.partition), r.offset) for r in records
         ]
+        for bad in unreadable:
+            self.tracker.start(bad.tp, bad.offset)
         # Note who started what before any work begins, so a crash past here is seen as one.
         await self.commit()
+        for bad in unreadable:
+            await self._unreadable(bad)
         # Handled concurrently: with the permission database away, one record may
         # wait, and the others must still reach their own deadlines (a cache hit
         # resolves at once, so in the normal case records keep their order).
         await asyncio.gather(*(self._handle(r, a) for r, a in zip(records, attempts, strict=True)))
-        self.num_records += len(records)
-        return len(records)
+        self.num_records += len(records) + len(unreadable)
+        return len(records) + len(unreadable)
 
     async def commit(self) -> None:
         pending = self.tracker.pending_commits()
@@ -144,9 +174,44 @@ class RequestIngest:
         except Exception as exc:  # a rebalance in progress; the next commit retries
             log.warning("commit failed: %s", exc)
 
+    async def _unreadable(self, bad: Unreadable) -> None:
+        """Bytes the client could not hand over: dead-lettered (naming where they are),
+        so the partition goes on."""
+        await self.writer.dead_letter(tp=bad.tp, offset=bad.offset, topic=bad.tp.topic,
+                                      partition=bad.tp.partition, key=None, value=b"",
+                                      reason=bad.reason)
+
+    def _check_partitioning(self, record: ConsumerRecord) -> None:
+        """Count (and now and then warn about) a key that is not on its murmur2
+        partition: its producer splits sessions across workers."""
+        if record.key is None:
+            return
+        partitions = self.consumer.partitions_for_topic(record.topic)
+        if not partitions:
+            return
+        expected = murmur2_partition(record.key, len(partitions))
+        if expected == record.partition:
+            return
+        self.num_misrouted += 1
+        self._misrouted_since_warning += 1
+        if self._on_misrouted is not None:
+            self._on_misrouted(record.partition)
+        now = time.monotonic()
+        if now - self._misrouted_warned_at >= MISROUTED_WARN_EVERY_S:
+            log.warning(
+                "%d request(s) arrived on a partition other than their key's murmur2 partition "
+                "(e.g. key %r on %s/%d, expected %d): a producer partitions differently, so a "
+                "session's turns can reach different workers and miss their KV cache. "
+                "librdkafka producers (confluent-kafka, kcat, ...) must set "
+                "partitioner=murmur2_random", self._misrouted_since_warning,
+                record.key[:64], record.topic, record.partition, expected)
+            self._misrouted_warned_at = now
+            self._misrouted_since_warning = 0
+
     async def _handle(self, record: ConsumerRecord, attempt: int) -> None:
         tp = TopicPartition(record.topic, record.partition)
         value = record.value if record.value is not None else b""
+        self._check_partitioning(record)
         try:
             request = decode(InferenceRequest, value)
         except SchemaError as exc:

@@ -59,8 +59,11 @@ class PermissionChecker:
     _closed: bool = False
     num_lookups: int = 0
 
-    async def start(self) -> None:
-        self._listen_task = asyncio.create_task(self._keep_listening())
+    def start(self) -> asyncio.Task[None]:
+        """Start listening for grant changes; returns the task, for its owner to watch."""
+        self._listen_task = asyncio.create_task(self._keep_listening(),
+                                                name="permission listener")
+        return self._listen_task
 
     async def close(self) -> None:
         self._closed = True

@@ -71,7 +71,7 @@ class ResultWriter:
         self._last_token_at: dict[str, float] = {}
         self._on_finished = on_finished
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True, acks="all",
+            **settings.producer_options(), enable_idempotence=True, acks="all",
             linger_ms=1, request_timeout_ms=int(settings.client.timeout_secs * 1000),
             max_request_size=8 * 1024 * 1024,
         )
@@ -148,8 +148,10 @@ class ResultWriter:
                 for _ in token_ids:
                     self.metrics.observe_inter_token((now - previous) / len(token_ids))
             self._last_token_at[ctx.request.request_id] = now
-        if not ctx.request.stream:
-            return
+        if ctx.request.stream:
+            await self._token_event(ctx, token_ids, text)
+
+    async def _token_event(self, ctx: InFlight, token_ids: list[int], text: str) -> None:
         event = TokenEvent(request_id=ctx.request.request_id, attempt=ctx.attempt,
                            seq=ctx.next_seq, token_ids=token_ids, text=text)
         ctx.next_seq += 1
@@ -157,14 +159,23 @@ class ResultWriter:
 
     async def done(self, ctx: InFlight, *, finish_reason: str, token_ids: list[int],
                    num_cached_prompt_tokens: int, timing: Timing, adapter: str | None) -> None:
-        # Tokens not yet seen by the decoder (stream=False never pushes).
+        # Tokens not yet seen by the decoder.
         seen = len(ctx.decoder.ids)
         if len(token_ids) > seen:
             ctx.decoder.push(token_ids[seen:])
+        if ctx.request.stream:
+            # Text held back (an incomplete UTF-8 tail) goes out as a last, token-less
+            # event: the token events' text always adds up to the done event's.
+            tail = ctx.decoder.flush()
+            if tail:
+                await self._token_event(ctx, [], tail)
+            text = ctx.decoder.emitted
+        else:
+            text = ctx.decoder.text()
         event = DoneEvent(
             request_id=ctx.request.request_id, attempt=ctx.attempt,
             finish_reason=finish_reason,  # type: ignore[arg-type]
-            text=ctx.decoder.text(), token_ids=list(token_ids),
+            text=text, token_ids=list(token_ids),
             usage=Usage(prompt_tokens=ctx.num_prompt_tokens,
                         cached_prompt_tokens=num_cached_prompt_tokens,
                         completion_tokens=len(token_ids)),

@@ -3,15 +3,19 @@
 Each input line is `{"custom_id": ..., "body": {<request fields>}}`; each output
 line `{"custom_id": ..., "response": <done event> | null, "error": <error or
 timeout event> | null}`. Output lines are appended and flushed one by one, so
-a job killed midway loses nothing it wrote; a re-run skips every custom_id
-already in OUT and never writes one twice. Bulk requests carry a loose
-`max_ttft_ms` by default so interactive traffic keeps priority.
+a job killed midway loses nothing it wrote. A re-run skips every custom_id
+already answered in OUT and retries those whose line is an error or a timeout
+(their old lines are removed first, so every custom_id ends with exactly one
+line) unless `keep_errors`. A request with no terminal event within the
+client's deadline gets no line: the next run retries it. Bulk requests carry a
+loose `max_ttft_ms` by default so interactive traffic keeps priority.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +27,7 @@ import orjson
 
 from schemas import DoneEvent, ErrorCode, ErrorEvent, TimeoutEvent
 from sluice.client import Client
+from sluice.errors import RequestTimeoutError
 
 BULK_MAX_TTFT_MS = 24 * 3600 * 1000
 
@@ -34,9 +39,13 @@ class BatchInputError(ValueError):
 @dataclass(slots=True)
 class BatchSummary:
     num_lines: int = 0
-    num_skipped: int = 0
+    num_skipped: int = 0  # answered by an earlier run
+    num_retried: int = 0  # errors of an earlier run, sent again
+    num_kept_errors: int = 0  # errors of an earlier run, kept (keep_errors)
+    num_todo: int = 0
     num_done: int = 0
     num_errors: int = 0
+    num_unanswered: int = 0  # no terminal event within the client's deadline
     num_completion_tokens: int = 0
     seconds: float = 0.0
     invalid_lines: list[str] = field(default_factory=list)
@@ -45,10 +54,28 @@ class BatchSummary:
     def tokens_per_s(self) -> float:
         return self.num_completion_tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def num_finished(self) -> int:
+        return self.num_done + self.num_errors + self.num_unanswered
+
+    @property
+    def failed(self) -> bool:
+        """Some line ended without an answer: an error, a timeout, none at all, or it
+        could not be read."""
+        return bool(self.num_errors or self.num_kept_errors or self.num_unanswered
+                    or self.invalid_lines)
+
     def line(self) -> str:
+        earlier = f"{self.num_skipped} skipped (already answered)"
+        if self.num_retried:
+            earlier += f", {self.num_retried} retried (errors of an earlier run)"
+        if self.num_kept_errors:
+            earlier += f", {self.num_kept_errors} earlier errors kept"
+        unanswered = (f", {self.num_unanswered} without an answer in time"
+                      if self.num_unanswered else "")
         return (
-            f"batch: {self.num_done} done, {self.num_errors} errors, {self.num_skipped} skipped "
-            f"(already answered) of {self.num_lines} lines in {self.seconds:.1f} s; "
+            f"batch: {self.num_done} done, {self.num_errors} errors{unanswered}, {earlier} "
+            f"of {self.num_lines} lines in {self.seconds:.1f} s; "
             f"{self.num_completion_tokens} tokens, {self.tokens_per_s:.1f} tokens/s"
         )
 
@@ -63,17 +90,50 @@ def drop_torn_tail(out_path: Path) -> None:
             out.truncate(data.rfind(b"\n") + 1)
 
 
-def answered_ids(out_path: Path) -> set[str]:
-    """custom_ids already in OUT; a torn last line (killed mid-write) is ignored."""
+def _outcomes(out_path: Path) -> dict[str, bool]:
+    """custom_id -> whether its (last) line in OUT is an answer; a torn last line
+    (killed mid-write) is ignored."""
+    outcomes: dict[str, bool] = {}
     if not out_path.exists():
-        return set()
-    done = set()
+        return outcomes
     for raw in out_path.read_bytes().splitlines():
         try:
-            done.add(str(orjson.loads(raw)["custom_id"]))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            line = orjson.loads(raw)
+            outcomes[str(line["custom_id"])] = line.get("response") is not None
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             continue
-    return done
+    return outcomes
+
+
+def answered_ids(out_path: Path) -> set[str]:
+    """custom_ids answered (a `done` response) in OUT."""
+    return {cid for cid, answered in _outcomes(out_path).items() if answered}
+
+
+def failed_ids(out_path: Path) -> set[str]:
+    """custom_ids whose line in OUT is an error or a timeout."""
+    return {cid for cid, answered in _outcomes(out_path).items() if not answered}
+
+
+def drop_lines(out_path: Path, custom_ids: set[str]) -> None:
+    """Rewrite OUT without the lines of `custom_ids` (atomically: a crash leaves the old
+    file or the new one, never half of one)."""
+    if not custom_ids or not out_path.exists():
+        return
+    kept = []
+    for raw in out_path.read_bytes().splitlines(keepends=True):
+        try:
+            if str(orjson.loads(raw)["custom_id"]) in custom_ids:
+                continue
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            pass
+        kept.append(raw)
+    tmp = out_path.with_name(out_path.name + ".rewrite")
+    with tmp.open("wb") as out:
+        out.write(b"".join(kept))
+        out.flush()
+        os.fsync(out.fileno())
+    tmp.replace(out_path)
 
 
 def read_input(in_path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
@@ -99,37 +159,51 @@ def read_input(in_path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[st
 
 async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str,
                     api_key: str | None, concurrency: int = 64,
+                    timeout_s: float | None = None, keep_errors: bool = False,
+                    summary: BatchSummary | None = None,
                     on_progress: Callable[[int], None] | None = None,
                     on_total: Callable[[int], None] | None = None) -> BatchSummary:
+    """Run every line not yet answered; `summary` (if given) is kept up to date as
+    lines finish, so an interrupted caller can still say how far it got."""
     items, problems = read_input(in_path)
-    summary = BatchSummary(num_lines=len(items), invalid_lines=problems)
+    summary = summary if summary is not None else BatchSummary()
+    summary.num_lines, summary.invalid_lines = len(items), problems
+    await client.check_model(model)  # an unknown model fails here, not on every line
     drop_torn_tail(out_path)
     done_ids = answered_ids(out_path)
+    earlier_errors = failed_ids(out_path) & {cid for cid, _ in items}
+    if keep_errors:
+        summary.num_kept_errors = len(earlier_errors)
+        done_ids |= earlier_errors
+    else:
+        summary.num_retried = len(earlier_errors)
+        drop_lines(out_path, earlier_errors)
     todo = [(cid, body) for cid, body in items if cid not in done_ids]
-    summary.num_skipped = len(items) - len(todo)
+    summary.num_skipped = len(items) - len(todo) - summary.num_kept_errors
+    summary.num_todo = len(todo)
     if on_total is not None:
         on_total(len(todo))
     started = time.monotonic()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    semaphore = asyncio.Semaphore(concurrency)
     run_tag = uuid.uuid4().hex[:8]
-    with out_path.open("ab") as out:
+    try:
+        with out_path.open("ab") as out:
 
-        def write(custom_id: str, response: Any, error: Any) -> None:
-            line = {"custom_id": custom_id, "response": response, "error": error}
-            out.write(orjson.dumps(line) + b"\n")
-            out.flush()
-            if on_progress is not None:
-                on_progress(1)
+            def write(custom_id: str, response: Any, error: Any) -> None:
+                line = {"custom_id": custom_id, "response": response, "error": error}
+                out.write(orjson.dumps(line) + b"\n")
+                out.flush()
 
-        async def one(custom_id: str, body: dict[str, Any]) -> None:
-            async with semaphore:
+            async def one(custom_id: str, body: dict[str, Any]) -> None:
                 fields = {k: v for k, v in body.items() if k not in ("model", "v", "stream")}
                 fields.setdefault("max_ttft_ms", BULK_MAX_TTFT_MS)
                 digest = hashlib.sha256(custom_id.encode()).hexdigest()[:20]
                 fields["request_id"] = f"batch-{run_tag}-{digest}"
                 try:
-                    event = await _complete(client, model, api_key, fields)
+                    event = await _complete(client, model, api_key, fields, timeout_s)
+                except RequestTimeoutError:
+                    summary.num_unanswered += 1  # no line: the next run retries it
+                    event = None
                 except ValueError as exc:  # the body did not validate as a request
                     event = ErrorEvent(request_id=fields["request_id"],
                                        code=ErrorCode.INVALID_REQUEST, message=str(exc))
@@ -137,18 +211,33 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
                     summary.num_done += 1
                     summary.num_completion_tokens += event.usage.completion_tokens
                     write(custom_id, event.model_dump(mode="json"), None)
-                else:
+                elif event is not None:
                     summary.num_errors += 1
                     write(custom_id, None, event.model_dump(mode="json"))
+                if on_progress is not None:
+                    on_progress(1)
 
-        await asyncio.gather(*(one(cid, body) for cid, body in todo))
-    summary.seconds = time.monotonic() - started
+            lines = iter(todo)
+
+            async def lane() -> None:
+                for custom_id, body in lines:  # lanes share the iterator: `concurrency` at once
+                    await one(custom_id, body)
+
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for _ in range(max(1, min(concurrency, len(todo)))):
+                        group.create_task(lane())
+            except BaseExceptionGroup as failed:  # the first failure, as itself
+                raise failed.exceptions[0] from None
+    finally:
+        summary.seconds = time.monotonic() - started
     return summary
 
 
-async def _complete(client: Client, model: str, api_key: str | None,
-                    fields: dict[str, Any]) -> DoneEvent | ErrorEvent | TimeoutEvent:
-    async for event in client.stream(model=model, api_key=api_key, stream=False, **fields):
+async def _complete(client: Client, model: str, api_key: str | None, fields: dict[str, Any],
+                    timeout_s: float | None) -> DoneEvent | ErrorEvent | TimeoutEvent:
+    async for event in client.stream(model=model, api_key=api_key, stream=False,
+                                     timeout=timeout_s, **fields):
         if isinstance(event, DoneEvent | ErrorEvent | TimeoutEvent):
             return event
     raise RuntimeError("reply stream ended without a terminal event")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from datetime import datetime
 
 import asyncpg
 
@@ -19,6 +21,20 @@ from sluice.errors import InvalidConfigError
 
 LIVE_WINDOW_S = 60
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker as its heartbeat last recorded it; `live` if seen within LIVE_WINDOW_S."""
+
+    instance_id: str
+    model: str
+    pool: str
+    device: str
+    device_memory_bytes: int
+    started_at: datetime
+    last_seen: datetime
+    live: bool
 
 
 async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: str, pool: str,

@@ -5,24 +5,43 @@ plain synchronous calls, run on a private event-loop thread so they work both
 inside and outside async code. The data plane (`stream`, `complete`) is async
 and runs on the caller's loop: it produces an `InferenceRequest` to the
 model's request topic and reads the reply topic for that request's events.
+
+Every data-plane call has a deadline (`timeout=`, default
+SLUICE_CLIENT__REQUEST_TIMEOUT_SECS): no terminal event by then raises
+`RequestTimeoutError`. A model without a request topic raises
+`UnknownModelError` before anything is sent; a request that does not validate
+raises `InvalidRequestError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import pydantic
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from schemas import DoneEvent, ErrorEvent, InferenceRequest, ReplyEvent, TimeoutEvent, encode
 from sluice.control_plane import ControlPlane
-from sluice.errors import RequestError, RequestTimeoutError
+from sluice.errors import (
+    InvalidRequestError,
+    RequestError,
+    RequestTimeoutError,
+    UnknownModelError,
+)
 from sluice.replies import ReplyReader, hide_attempts
 from sluice.settings import Settings
+from sluice.timeouts import dependency_call
+from sluice.topics import partitions_of
+
+# A model's request topic, once seen, is trusted this long before it is looked up again.
+TOPIC_KNOWN_FOR_S = 60.0
 
 T = TypeVar("T")
 
@@ -69,6 +88,11 @@ class Models(_Section):
     def show(self, *, model: str) -> Any:
         return self._run("get", model)
 
+    def remove(self, *, model: str, keep_topic: bool = False) -> None:
+        """Remove a model, its adapters and grants, and (unless `keep_topic`) its request
+        topic; its workers leave the consumer group until it is registered again."""
+        self._run("remove_model", model, keep_topic=keep_topic)
+
     def list(self) -> Any:
         return self._run("list_models")
 
@@ -82,6 +106,12 @@ class Adapters(_Section):
 
     def list(self, *, model: str) -> Any:
         return self._run("get", model).adapters
+
+
+class Workers(_Section):
+    def list(self, *, model: str | None = None, pools: list[str] | None = None) -> Any:
+        """Workers by their heartbeats (`live`: seen within the last minute)."""
+        return self._run("list_workers", model, pools)
 
 
 class Keys(_Section):
@@ -103,12 +133,14 @@ class Client:
         self.models = Models(self)
         self.adapters = Adapters(self)
         self.keys = Keys(self)
+        self.workers = Workers(self)
         self._loop_thread: _LoopThread | None = None
         self._control: ControlPlane | None = None
         self._lock = threading.Lock()
         self._producer: AIOKafkaProducer | None = None
         self._readers: dict[str, ReplyReader] = {}
         self._data_lock: asyncio.Lock | None = None
+        self._topic_seen: dict[str, float] = {}  # request topic -> monotonic time
 
     # -- control plane ------------------------------------------------------------------
 
@@ -129,47 +161,105 @@ class Client:
 
     # -- data plane ---------------------------------------------------------------------
 
+    async def _start_producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            producer = AIOKafkaProducer(
+                **self.settings.producer_options(), enable_idempotence=True,
+                request_timeout_ms=int(self.settings.client.timeout_secs * 1000),
+            )
+            await dependency_call("connecting to Kafka", producer.start(),
+                                  self.settings.client.timeout_secs)
+            self._producer = producer
+        return self._producer
+
     async def _reader(self, topic: str) -> ReplyReader:
         if self._data_lock is None:
             self._data_lock = asyncio.Lock()
         async with self._data_lock:
-            if self._producer is None:
-                self._producer = AIOKafkaProducer(
-                    bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True,
-                    request_timeout_ms=int(self.settings.client.timeout_secs * 1000),
-                )
-                await self._producer.start()
-            if topic not in self._readers:
-                reader = ReplyReader(str(self.settings.kafka_bootstrap), topic)
-                await reader.start()
+            await self._start_producer()
+            reader = self._readers.get(topic)
+            if reader is not None and reader.failure is not None:
+                await reader.stop()  # failed for good: start over
+                reader = None
+            if reader is None:
+                reader = ReplyReader(self.settings, topic)
+                await dependency_call(f"starting to read reply topic {topic}", reader.start(),
+                                      self.settings.client.timeout_secs)
                 self._readers[topic] = reader
-            return self._readers[topic]
+            return reader
+
+    async def check_model(self, model: str) -> str:
+        """The model's request topic, or UnknownModelError when it does not exist (a
+        send to a missing topic would retry for its whole timeout)."""
+        topic = self.settings.requests_topic(model)
+        seen = self._topic_seen.get(topic)
+        if seen is not None and time.monotonic() - seen < TOPIC_KNOWN_FOR_S:
+            return topic
+        producer = await self._start_producer()
+        partitions = await dependency_call("looking up the model's request topic",
+                                           partitions_of(producer, topic),
+                                           self.settings.client.timeout_secs)
+        if not partitions:
+            self._topic_seen.pop(topic, None)
+            raise UnknownModelError(model, topic)
+        self._topic_seen[topic] = time.monotonic()
+        return topic
+
+    def _request(self, model: str, request_id: str | None,
+                 fields: dict[str, Any]) -> InferenceRequest:
+        try:
+            return InferenceRequest(
+                request_id=request_id or f"req-{uuid.uuid4().hex}", model=model,
+                reply_topic=fields.pop("reply_topic", None) or self.settings.topic("results"),
+                **fields,
+            )
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
+                for err in exc.errors(include_url=False, include_input=False))
+            raise InvalidRequestError(f"invalid request: {problems}") from None
 
     async def stream(self, *, model: str, api_key: str | None = None,
-                     request_id: str | None = None, **fields: Any) -> AsyncIterator[ReplyEvent]:
-        """Send one request and yield its events: tokens, then one terminal event."""
+                     request_id: str | None = None, timeout: float | None = None,
+                     **fields: Any) -> AsyncIterator[ReplyEvent]:
+        """Send one request and yield its events: tokens, then one terminal event.
+
+        `timeout` (seconds; default SLUICE_CLIENT__REQUEST_TIMEOUT_SECS) bounds the
+        whole call: without a terminal event by then, RequestTimeoutError."""
+        limit = self.settings.client.request_timeout_secs if timeout is None else timeout
+        deadline = time.monotonic() + limit
         key = api_key or self.api_key
-        request = InferenceRequest(
-            request_id=request_id or f"req-{uuid.uuid4().hex}", model=model,
-            reply_topic=fields.pop("reply_topic", None) or self.settings.topic("results"),
-            **fields,
-        )
+        request = self._request(model, request_id, fields)
+        topic = await self.check_model(model)
         reader = await self._reader(str(request.reply_topic))
         sub = reader.subscribe(request.request_id)
         try:
             headers = [("authorization", f"Bearer {key}".encode())] if key else []
             assert self._producer is not None
-            await self._producer.send_and_wait(
-                self.settings.requests_topic(model), encode(request),
-                key=request.partition_key.encode(), headers=headers,
-            )
-            async for event in hide_attempts(sub):
+            try:
+                await self._producer.send_and_wait(
+                    topic, encode(request), key=request.partition_key.encode(), headers=headers)
+            except KafkaError:
+                self._topic_seen.pop(topic, None)
+                await self.check_model(model)  # removed meanwhile: say so
+                raise
+            events = hide_attempts(sub)
+            while True:
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        event = await anext(events)
+                except TimeoutError:
+                    raise RequestTimeoutError.no_terminal_event(
+                        request.request_id, model, limit) from None
+                except StopAsyncIteration:
+                    return
                 yield event
         finally:
             reader.unsubscribe(request.request_id)
 
     async def complete(self, *, model: str, **fields: Any) -> DoneEvent:
-        """Send one request and return its `done` event; raises on `error` or `timeout`."""
+        """Send one request and return its `done` event; raises on `error` or `timeout`
+        (and, like `stream`, after `timeout` seconds without an answer)."""
         fields.setdefault("stream", False)
         async for event in self.stream(model=model, **fields):
             if isinstance(event, DoneEvent):

@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaProducer
 from schemas import AdapterSpec, ComputeConfig, ModelDeployment, Placement, encode
 from schemas.names import NameError_, check_name, is_valid_topic
 from sluice import keys as api_keys
-from sluice.capacity import check_fits
+from sluice.capacity import LIVE_WINDOW_S, WorkerInfo, check_fits
 from sluice.db import create_pool, notify_channel
 from sluice.errors import (
     ConflictError,
@@ -82,7 +82,7 @@ class ControlPlane:
             async with TopicAdmin(settings) as admin:
                 await admin.ensure(shared_topics(settings))
             producer = AIOKafkaProducer(
-                bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True,
+                **settings.producer_options(), enable_idempotence=True,
                 request_timeout_ms=int(timeout * 1000),
             )
             await dependency_call("connecting to Kafka", producer.start(), timeout)
@@ -145,6 +145,47 @@ class ControlPlane:
             return {"placement": self._parse(Placement, merged)}
 
         return await self._change(model, change)
+
+    async def remove_model(self, model: str, *, keep_topic: bool = False) -> None:
+        """Remove a model: its registry entry, adapters and grants; a tombstone on the
+        control topic (its workers leave the consumer group); and, unless `keep_topic`,
+        its request topic with any requests still on it. Re-running finishes a removal
+        that failed half-way."""
+        _check("model", model)
+        topic = self.settings.requests_topic(model)
+        async with self._pool.acquire() as conn, conn.transaction():
+            status = await self._call(conn.execute("DELETE FROM models WHERE name = $1", model),
+                                      "removing the model")
+            key_ids = await self._call(conn.fetch(
+                "DELETE FROM grants WHERE model = $1 RETURNING key_id", model),
+                "removing the model's grants")
+            for key_id in {row["key_id"] for row in key_ids}:
+                await conn.execute("SELECT pg_notify($1, $2)",
+                                   notify_channel(self.settings.db_schema), key_id)
+        async with TopicAdmin(self.settings) as admin:
+            topic_exists = topic in await admin.list_topics()
+            if status.endswith(" 0") and not topic_exists:
+                raise NotFoundError(f"model {model!r} is not registered")
+            await dependency_call(
+                "publishing to the control topic",
+                self._producer.send_and_wait(self.settings.topic("control"), None,
+                                             key=model.encode()),
+                self.settings.client.timeout_secs)
+            if not keep_topic:
+                await admin.delete([topic])
+
+    async def list_workers(self, model: str | None = None,
+                           pools: list[str] | None = None) -> list[WorkerInfo]:
+        """Workers seen recently (heartbeat), optionally of one model and some pools."""
+        async with self._pool.acquire() as conn:
+            rows = await self._call(conn.fetch(
+                "SELECT instance_id, model, pool, device, device_memory_bytes, started_at, "
+                "last_seen, last_seen > now() - make_interval(secs => $3) AS live "
+                "FROM workers WHERE ($1::text IS NULL OR model = $1) "
+                "AND ($2::text[] IS NULL OR pool = ANY($2::text[])) "
+                "ORDER BY model, pool, instance_id", model, pools, LIVE_WINDOW_S),
+                "listing workers")
+        return [WorkerInfo(**dict(row)) for row in rows]
 
     async def get(self, model: str) -> ModelDeployment:
         async with self._pool.acquire() as conn:

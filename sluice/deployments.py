@@ -2,26 +2,31 @@
 
 The control topic is compacted and keyed by model, so reading it from the
 beginning yields every model's latest deployment. The watcher reads it
-without a consumer group (every worker needs every record) and reports each
-new revision of the model it serves.
+without a consumer group (every worker needs every record). `start` reads
+up to the end offsets it finds, so `current` is the newest deployment when
+the worker loads its model (an older revision not yet compacted away is never
+loaded first and then reloaded); `run` then reports each later revision, and
+a removal (a tombstone: the key with no value) as None.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from ingest.safe_fetch import SafeFetcher
 from schemas import ModelDeployment, SchemaError, decode
+from sluice.errors import NotFoundError
 from sluice.settings import Settings
 from sluice.topics import partitions_of
 
 log = logging.getLogger(__name__)
 
-OnChange = Callable[[ModelDeployment], Awaitable[None]]
+# None: the model was removed from the registry.
+OnChange = Callable[[ModelDeployment | None], Awaitable[None]]
 
 
 class DeploymentWatcher:
@@ -29,45 +34,71 @@ class DeploymentWatcher:
         self.settings = settings
         self.model = model
         self.current: ModelDeployment | None = None
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap,
-                                          enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(**settings.kafka_options(), enable_auto_commit=False,
+                                          isolation_level="read_committed")
+        self._fetcher = SafeFetcher(self._consumer)
         self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._on_change: OnChange | None = None
 
     async def start(self, on_change: OnChange | None = None) -> None:
-        self._on_change = on_change
+        """Read the control topic up to its current end (no callbacks for that part)."""
         await self._consumer.start()
         topic = self.settings.topic("control")
         partitions = await partitions_of(self._consumer, topic) or {0}
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_beginning(*tps)
-        self._task = asyncio.create_task(self._run())
+        for tp in tps:
+            self._fetcher.assigned(tp, None)
+        end = await self._consumer.end_offsets(tps)
+        while not await self._caught_up(end):
+            await self._read_once()
+        self._on_change = on_change
+
+    async def _caught_up(self, end: dict[TopicPartition, int]) -> bool:
+        for tp, offset in end.items():
+            if await self._consumer.position(tp) < offset:
+                return False
+        return True
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         await self._consumer.stop()
 
+    async def run(self) -> None:
+        """Follow the control topic for as long as the worker runs."""
+        while True:
+            await self._read_once()
+
     async def wait_for_deployment(self, timeout_s: float) -> ModelDeployment:
-        async with asyncio.timeout(timeout_s):
-            while self.current is None:
-                self._changed.clear()
-                await self._changed.wait()
+        if self.current is None:
+            log.info("waiting up to %g s for model %s to be registered", timeout_s, self.model)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.current is None:
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise NotFoundError(
+                f"model {self.model!r} was not registered within {timeout_s:g} s; register it "
+                f"with `sluice models register --model {self.model} --path DIR`") from None
         return self.current
 
-    async def _run(self) -> None:
-        while True:
-            batch = await self._consumer.getmany(timeout_ms=500)
-            for records in batch.values():
-                for record in records:
-                    await self._apply(record.key, record.value)
+    async def _read_once(self) -> None:
+        records, unreadable = await self._fetcher.getmany(timeout_ms=500, max_records=1024)
+        for bad in unreadable:
+            log.error("a control record was skipped: %s", bad.reason)
+        for record in records:
+            await self._apply(record.key, record.value)
 
     async def _apply(self, key: bytes | None, value: bytes | None) -> None:
-        if key != self.model.encode() or value is None:
+        if key != self.model.encode():
+            return
+        if value is None:
+            if self.current is not None:
+                log.warning("model %s was removed from the registry", self.model)
+                self.current = None  # a later registration starts again at revision 1
+                if self._on_change is not None:
+                    await self._on_change(None)
             return
         try:
             deployment = decode(ModelDeployment, value)

@@ -11,6 +11,22 @@ class NotFoundError(SluiceError):
     pass
 
 
+class UnknownModelError(NotFoundError):
+    """The model is not registered: it has no request topic to send to."""
+
+    def __init__(self, model: str, topic: str):
+        self.model = model
+        super().__init__(
+            f"model {model!r} is not registered (there is no request topic {topic!r}); "
+            f"register it with `sluice models register --model {model} --path DIR` "
+            "(`sluice models list` shows the registered ones)"
+        )
+
+
+class InvalidRequestError(SluiceError, ValueError):
+    """A request the SDK refuses to send: a field is missing, mistyped or out of range."""
+
+
 class ConflictError(SluiceError):
     pass
 
@@ -41,13 +57,28 @@ class RequestError(SluiceError):
 
 
 class RequestTimeoutError(SluiceError, TimeoutError):
-    """An inference request ended with a `timeout` event: no first token within max_ttft."""
+    """An inference request timed out: it ended with a `timeout` event (no first token
+    within max_ttft), or no terminal event reached the client within its own deadline
+    (`client_deadline` is then True and `max_ttft_ms` None)."""
 
-    def __init__(self, request_id: str, waited_ms: float, max_ttft_ms: int):
+    def __init__(self, request_id: str, waited_ms: float, max_ttft_ms: int | None,
+                 message: str | None = None):
         self.request_id = request_id
         self.waited_ms = waited_ms
         self.max_ttft_ms = max_ttft_ms
-        super().__init__(
+        self.client_deadline = max_ttft_ms is None
+        super().__init__(message or (
             f"request {request_id} timed out: no first token within max_ttft_ms={max_ttft_ms} "
             f"(waited {waited_ms:.0f} ms)"
-        )
+        ))
+
+    @classmethod
+    def no_terminal_event(cls, request_id: str, model: str,
+                          timeout_s: float) -> RequestTimeoutError:
+        return cls(request_id, timeout_s * 1000, None, (
+            f"request {request_id}: no terminal event within {timeout_s:g} s "
+            "(SLUICE_CLIENT__REQUEST_TIMEOUT_SECS, or the call's timeout). Is a worker serving "
+            f"model {model!r}? `sluice workers --model {model}` lists the live ones; a worker "
+            "serves a model only when its pool is in the model's compute_pools "
+            f"(`sluice models show --model {model}`)"
+        ))

@@ -100,6 +100,9 @@ class WorkerMetrics:
                                  "Requests sent to the timeout topic.")
         self._dead_letters = counter("sluice_dead_lettered_records",
                                      "Records written to the dead-letter topic.")
+        self._misrouted = counter("sluice_misrouted_requests",
+                                  "Requests whose key was not on its murmur2 partition (a "
+                                  "producer partitions differently and splits sessions).")
         self._terminals = Counter("sluice_requests", "Terminal events by type.",
                                   (*_BASE, "type"), registry=r)
         self._errors = Counter("sluice_request_errors", "Error events by code.",
@@ -161,6 +164,9 @@ class WorkerMetrics:
 
     def observe_dead_letter(self) -> None:
         self._dead_letters.inc()
+
+    def observe_misrouted_key(self) -> None:
+        self._misrouted.inc()
 
     # ---- Kafka -------------------------------------------------------------------------
 

@@ -2,52 +2,71 @@
 
 The reader is assigned every partition of the reply topic and starts at the
 end offsets it resolved *before* any request is sent, so no event of a
-request sent afterwards can be missed. Attempts are hidden here: events of a
-superseded attempt are dropped, and a retried attempt's tokens are passed on
-only past what the earlier attempt already delivered (for greedy or seeded
-requests the retried tokens are identical, so the stream reads as one).
+request sent afterwards can be missed. It reads `read_committed`, so events a
+transactional writer aborted are never seen. Attempts are hidden here: events
+of a superseded attempt are dropped, and a retried attempt's tokens and text
+are passed on only past what the earlier attempt already delivered (for
+greedy or seeded requests the retried tokens are identical, so the stream
+reads as one).
+
+If the reader's consumer fails for good (the topic may not be read, say),
+every waiting request gets the error instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from ingest.safe_fetch import SafeFetcher
 from schemas import REPLY_EVENT_ADAPTER, TERMINAL_TYPES, ReplyEvent, TokenEvent
+from sluice.errors import NotFoundError, SluiceError
+from sluice.settings import Settings
 from sluice.topics import partitions_of
+
+log = logging.getLogger(__name__)
+
+
+class ReplyReaderError(SluiceError):
+    """The reply topic could not be read; no reply can arrive."""
 
 
 @dataclass(slots=True)
 class _Subscription:
-    queue: asyncio.Queue[ReplyEvent] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[ReplyEvent | BaseException] = field(default_factory=asyncio.Queue)
 
 
 class ReplyReader:
-    def __init__(self, bootstrap: str, topic: str):
+    def __init__(self, settings: Settings, topic: str):
         self.topic = topic
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False,
+            **settings.kafka_options(), enable_auto_commit=False,
             isolation_level="read_committed",
         )
+        self._fetcher = SafeFetcher(self._consumer)
         self._subs: dict[str, _Subscription] = {}
         self._task: asyncio.Task[None] | None = None
+        self.failure: BaseException | None = None
 
     async def start(self) -> None:
         await self._consumer.start()
         partitions = await partitions_of(self._consumer, self.topic)
         if not partitions:
             await self._consumer.stop()
-            raise ValueError(f"reply topic {self.topic!r} does not exist")
+            raise NotFoundError(f"reply topic {self.topic!r} does not exist; create it first, "
+                                "or leave reply_topic out to use the shared results topic")
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_end(*tps)
         for tp in tps:  # resolve positions now, before any request is sent
-            await self._consumer.position(tp)
+            self._fetcher.assigned(tp, await self._consumer.position(tp))
         self._task = asyncio.create_task(self._pump())
+        self._task.add_done_callback(self._pump_ended)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -57,6 +76,8 @@ class ReplyReader:
         await self._consumer.stop()
 
     def subscribe(self, request_id: str) -> _Subscription:
+        if self.failure is not None:
+            raise self._error()
         sub = _Subscription()
         self._subs[request_id] = sub
         return sub
@@ -66,10 +87,24 @@ class ReplyReader:
 
     async def _pump(self) -> None:
         while True:
-            batch = await self._consumer.getmany(timeout_ms=500)
-            for records in batch.values():
-                for record in records:
-                    self._route(record.value)
+            records, unreadable = await self._fetcher.getmany(timeout_ms=500, max_records=1024)
+            for bad in unreadable:
+                log.warning("a reply was skipped: %s", bad.reason)
+            for record in records:
+                self._route(record.value)
+
+    def _pump_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        self.failure = task.exception() or RuntimeError("the reply reader stopped")
+        log.error("reading reply topic %s failed: %s", self.topic, self.failure)
+        error = self._error()
+        for sub in self._subs.values():
+            sub.queue.put_nowait(error)
+
+    def _error(self) -> ReplyReaderError:
+        return ReplyReaderError(f"reading reply topic {self.topic!r} failed: "
+                                f"{type(self.failure).__name__}: {self.failure}")
 
     def _route(self, value: bytes | None) -> None:
         if value is None:
@@ -84,29 +119,40 @@ class ReplyReader:
 
 
 async def hide_attempts(sub: _Subscription) -> AsyncIterator[ReplyEvent]:
-    """Events of one request as if it had run once; ends after the terminal event."""
+    """Events of one request as if it had run once; ends after the terminal event.
+
+    Counts tokens and characters delivered over all attempts, so a retried
+    attempt continues where the stream stood; a token-less event (the last of
+    a stream's text) passes when it carries new text."""
     attempt = -1
-    delivered = 0  # tokens passed on so far, over all attempts
-    in_attempt = 0  # tokens seen in the current attempt
+    delivered_tokens = delivered_chars = 0  # passed on so far, over all attempts
+    in_tokens = in_chars = 0  # seen in the current attempt
     next_seq = 0
     while True:
-        event = await sub.queue.get()
+        item = await sub.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        event = item
         if event.attempt < attempt:
             continue
         if event.attempt > attempt:
-            attempt, in_attempt, next_seq = event.attempt, 0, 0
+            attempt, in_tokens, in_chars, next_seq = event.attempt, 0, 0, 0
         if isinstance(event, TokenEvent):
             if event.seq < next_seq:
                 continue  # a duplicate (producer retry)
             next_seq = event.seq + 1
-            start = in_attempt
-            in_attempt += len(event.token_ids)
-            if in_attempt <= delivered:
+            start_tokens, start_chars = in_tokens, in_chars
+            in_tokens += len(event.token_ids)
+            in_chars += len(event.text)
+            if in_tokens <= delivered_tokens and in_chars <= delivered_chars:
                 continue
-            skip = max(0, delivered - start)
-            if skip:
-                event = event.model_copy(update={"token_ids": event.token_ids[skip:], "text": ""})
-            delivered = in_attempt
+            skip_tokens = max(0, delivered_tokens - start_tokens)
+            skip_chars = max(0, delivered_chars - start_chars)
+            if skip_tokens or skip_chars:
+                event = event.model_copy(update={"token_ids": event.token_ids[skip_tokens:],
+                                                 "text": event.text[skip_chars:]})
+            delivered_tokens = max(delivered_tokens, in_tokens)
+            delivered_chars = max(delivered_chars, in_chars)
             yield event
         elif event.type in TERMINAL_TYPES:
             yield event

@@ -8,6 +8,7 @@ not set, the local infrastructure's addresses (`sluice infra up`) are used.
 from __future__ import annotations
 
 import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -20,7 +21,20 @@ class ServerSettings(BaseModel):
 
 
 class ClientSettings(BaseModel):
+    # Each call to a dependency (PostgreSQL, the Kafka admin API, a send).
     timeout_secs: float = Field(default=60.0, gt=0)
+    # How long the SDK and CLI wait for a request's terminal event.
+    request_timeout_secs: float = Field(default=600.0, gt=0)
+
+
+Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
+
+
+class KafkaSettings(BaseModel):
+    """Options every Kafka client sluice creates shares (`SLUICE_KAFKA__*`)."""
+
+    # Codec of the records sluice produces; any codec is read.
+    compression: Compression = "none"
 
 
 class Settings(BaseSettings):
@@ -43,6 +57,7 @@ class Settings(BaseSettings):
     reply_topic_pattern: str | None = None
     server: ServerSettings = Field(default_factory=ServerSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
 
     @field_validator("reply_topic_pattern")
     @classmethod
@@ -71,6 +86,16 @@ class Settings(BaseSettings):
                 }
             )
         return settings
+
+    def kafka_options(self) -> dict[str, Any]:
+        """Connection options of every Kafka client sluice creates (consumers,
+        producers, admin): the one place they are built."""
+        return {"bootstrap_servers": self.kafka_bootstrap}
+
+    def producer_options(self) -> dict[str, Any]:
+        """`kafka_options` plus what every producer shares."""
+        codec = self.kafka.compression
+        return {**self.kafka_options(), "compression_type": None if codec == "none" else codec}
 
     def topic(self, suffix: str) -> str:
         return f"{self.topic_prefix}.{suffix}"

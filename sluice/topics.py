@@ -64,7 +64,7 @@ class TopicAdmin:
     def __init__(self, settings: Settings):
         self._settings = settings
         self._admin = AIOKafkaAdminClient(
-            bootstrap_servers=settings.kafka_bootstrap,
+            **settings.kafka_options(),
             request_timeout_ms=int(settings.client.timeout_secs * 1000),
         )
 
@@ -111,6 +111,15 @@ class TopicAdmin:
                     )
                 created.append(name)
         return created
+
+    async def delete(self, names: list[str]) -> None:
+        """Delete topics; one that does not exist is not an error."""
+        existing = set(await self.list_topics())
+        doomed = [name for name in names if name in existing]
+        if doomed:
+            await dependency_call(f"deleting topics {', '.join(doomed)}",
+                                  self._admin.delete_topics(doomed),
+                                  self._settings.client.timeout_secs)
 
     async def list_topics(self) -> list[str]:
         return await dependency_call(

@@ -8,17 +8,24 @@ and the engine loop; the model step runs in the engine's thread. Pieces:
 - `RequestIngest` reads records, checks them and submits `batcher.Request`s.
 - The event pump turns engine events into wire events (`ResultWriter`).
 - The commit loop commits, per partition, the lowest unfinished offset.
+
+Every background task is watched: one that fails (or a loop that returns) is
+logged with its traceback, `/readyz` turns false and the worker stops at once
+with `fatal` set (exit code 3), so its supervisor restarts it; requests it held
+stay uncommitted and are served again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 from aiokafka import TopicPartition
@@ -66,6 +73,10 @@ class WorkerOptions:
 RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
 
 
+class WorkerTaskFailed(RuntimeError):
+    """A task the worker cannot serve without died."""
+
+
 class Worker:
     def __init__(self, settings: Settings, options: WorkerOptions,
                  runtime_factory: RuntimeFactory = Runtime):
@@ -92,7 +103,7 @@ class Worker:
         self.num_reloads = 0
         self.fatal: BaseException | None = None
         self.adapters = ServedAdapters(self.model)
-        self._background: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -102,37 +113,93 @@ class Worker:
         checker = PermissionChecker(pool, self.settings.db_schema,
                                     call_timeout_s=self.settings.client.timeout_secs)
         self.writer = ResultWriter(self.settings, self.tracker.finish, self.model, self.metrics)
-        tasks: list[asyncio.Task[None]] = []
         self._serve_metrics()
         try:
-            await checker.start()
-            tasks.append(asyncio.create_task(self._heartbeat(pool)))
+            self._watch(checker.start(), "permission listener")
+            self._spawn(self._heartbeat(pool), "heartbeat")
             await self.writer.start()
             await watcher.start(self._on_deployment)
-            self.deployment = await watcher.wait_for_deployment(self.options.wait_for_model_s)
+            self._spawn(watcher.run(), "deployment watcher")
+            self.deployment = await self._until_stopped(
+                watcher.wait_for_deployment(self.options.wait_for_model_s))
+            if self.deployment is None:
+                return
             self._apply_placement(self.deployment)
             await self._load(self.deployment)
             self.ingest = self._make_ingest(checker)
             await self.ingest.start()
-            tasks += [asyncio.create_task(c) for c in
-                      (self._consume(), self._pump_events(), self._commit_loop(),
-                       self._gauges())]
-            self.metrics.set_ready(True)
+            self._spawn(self._consume(), "request consumer")
+            self._spawn(self._pump_events(), "event pump")
+            self._spawn(self._commit_loop(), "offset commits")
+            self._spawn(self._gauges(), "gauges")
+            if not self._stopping.is_set():
+                self.metrics.set_ready(True)
             await self._stopping.wait()
         finally:
-            await self._shutdown(tasks, watcher, checker, pool)
+            await self._shutdown(watcher, checker, pool)
 
     def stop(self) -> None:
         self._stopping.set()
 
-    async def _shutdown(self, tasks: list[asyncio.Task[None]], watcher: DeploymentWatcher,
-                        checker: PermissionChecker, pool: object) -> None:
+    async def _until_stopped(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """`work`'s result, or None if the worker is stopped (or fails) first."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        return task.result()
+
+    # ---- watched tasks -----------------------------------------------------------------
+
+    def _spawn(self, work: Coroutine[Any, Any, Any], name: str, *,
+               runs_forever: bool = True) -> asyncio.Task[Any]:
+        return self._watch(asyncio.create_task(work, name=name), name,
+                           runs_forever=runs_forever)
+
+    def _watch(self, task: asyncio.Task[Any], name: str, *,
+               runs_forever: bool = True) -> asyncio.Task[Any]:
+        """Stop the worker if `task` fails, or ends while it should run forever."""
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._task_ended, name, runs_forever))
+        return task
+
+    def _task_ended(self, name: str, runs_forever: bool, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None and (not runs_forever or self._stopping.is_set()):
+            return
+        self._fail(f"worker task {name!r} " + ("failed" if exc is not None
+                                                else "ended unexpectedly"), exc)
+
+    def _fail(self, what: str, exc: BaseException | None) -> None:
+        log.error("%s%s; stopping the worker (exit code 3) so that its supervisor restarts "
+                  "it", what, f": {type(exc).__name__}: {exc}" if exc is not None else "",
+                  exc_info=exc)
+        self.metrics.set_ready(False)
+        if self.fatal is None:
+            self.fatal = WorkerTaskFailed(
+                what + (f": {type(exc).__name__}: {exc}" if exc is not None else ""))
+        self._stopping.set()
+
+    async def _shutdown(self, watcher: DeploymentWatcher, checker: PermissionChecker,
+                        pool: object) -> None:
         self.metrics.set_ready(False)
         if self.engine is not None and self.fatal is None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(30):
                     await self.engine.drain()
-        await asyncio.sleep(0.2)  # let the pump write the last events
+        if self.fatal is None:
+            await asyncio.sleep(0.2)  # let the pump write the last events
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -203,8 +270,7 @@ class Worker:
         ), adapters=runtime.adapters if slots > 0 else None, on_step=self._on_step,
             fatal_errors=(RankFailure,))
         await self.engine.start()
-        self._background.add(task := asyncio.create_task(self._watch_engine(self.engine)))
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._watch_engine(self.engine), "engine watch", runs_forever=False)
         if self.ingest is not None:
             self.ingest.adapters = frozenset(self.adapters.names)
         log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
@@ -218,6 +284,7 @@ class Worker:
         if engine is self.engine:
             self.fatal = engine.fatal
             log.error("replica down: %s", engine.fatal)
+            self.metrics.set_ready(False)
             self._stopping.set()
 
     async def _sync_adapters(self, dep: ModelDeployment) -> None:
@@ -237,7 +304,14 @@ class Worker:
         if self.ingest is not None:
             self.ingest.max_ttft_ms = dep.placement.max_ttft_ms
 
-    async def _on_deployment(self, dep: ModelDeployment) -> None:
+    async def _on_deployment(self, dep: ModelDeployment | None) -> None:
+        if dep is None:
+            # Removed from the registry: stop serving (as if no pool held it) until a
+            # new registration arrives.
+            log.warning("model %s was removed: leaving its consumer group until it is "
+                        "registered again", self.model)
+            self._serving.clear()
+            return
         previous = self.deployment
         self.deployment = dep
         self._apply_placement(dep)
@@ -249,8 +323,7 @@ class Worker:
         ):
             self._reload.set()
         elif previous.adapters != dep.adapters:
-            self._background.add(task := asyncio.create_task(self._sync_adapters(dep)))
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._sync_adapters(dep), "adapter sync", runs_forever=False)
 
     def _make_ingest(self, checker: PermissionChecker) -> RequestIngest:
         assert self.runtime is not None and self.writer is not None and self.deployment
@@ -260,6 +333,7 @@ class Worker:
             self.settings, model=self.model, instance_id=self.instance_id,
             tracker=self.tracker, writer=self.writer, checker=checker, prompts=prompts,
             submit=self._submit, on_revoked=self._on_revoked,
+            on_misrouted=lambda _partition: self.metrics.observe_misrouted_key(),
         )
         ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
         ingest.adapters = frozenset(self.adapters.names)
@@ -269,8 +343,6 @@ class Worker:
 
     async def _consume(self) -> None:
         assert self.ingest is not None
-        consumer = self.ingest.consumer
-        paused = False
         while not self._stopping.is_set():
             if self._reload.is_set():
                 await self._drain_and_reload()
@@ -278,23 +350,21 @@ class Worker:
                 await self._leave_group()
                 await self._serving.wait()
                 self.ingest.subscribe()
-                paused = False
-            engine = self.engine
-            assert engine is not None
-            full = engine.is_full()
-            assignment = consumer.assignment()
-            if full and not paused and assignment:
-                consumer.pause(*assignment)
-                paused = True
-            elif not full and paused:
-                consumer.resume(*consumer.paused())
-                paused = False
-            if paused:
-                # Paused partitions still heartbeat; poll so rebalances are served.
-                await consumer.getmany(timeout_ms=50)
-                await asyncio.sleep(0.02)
-                continue
+            self._backpressure()
+            # Paused partitions still heartbeat; polling serves rebalances and reads
+            # partitions assigned meanwhile (never left unread, and then paused).
             await self.ingest.poll(max_records=256)
+
+    def _backpressure(self) -> None:
+        """Pause every partition while the engine is full, resume when it is not."""
+        assert self.ingest is not None and self.engine is not None
+        consumer = self.ingest.consumer
+        if self.engine.is_full():
+            unpaused = consumer.assignment() - consumer.paused()
+            if unpaused:
+                consumer.pause(*unpaused)
+        elif consumer.paused():
+            consumer.resume(*consumer.paused())
 
     async def _leave_group(self) -> None:
         """This pool left the model's placement: finish what we hold, then hand the

@@ -52,6 +52,23 @@ def endpoints() -> Iterator[Endpoints]:
             postgres.down(cfg)
 
 
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768 and up): a port in that range
+    can be taken by any outgoing connection between this check and its use."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32000")
+
+
 @pytest.fixture
 def unique_name(request: pytest.FixtureRequest) -> str:
     """A short name unique to this test, usable in topic and schema names."""

@@ -91,9 +91,9 @@ async def _broker_round_trips(served: Served, count: int) -> list[float]:
     topic = served.settings.topic("bench-probe")
     async with TopicAdmin(served.settings) as admin:
         await admin.ensure([TopicSpec(topic, 1, {})])
-    bootstrap = served.settings.kafka_bootstrap
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    options = served.settings.kafka_options()
+    producer = AIOKafkaProducer(**options, enable_idempotence=True)
+    consumer = AIOKafkaConsumer(**options, enable_auto_commit=False)
     await producer.start()
     await consumer.start()
     try:

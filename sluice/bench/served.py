@@ -63,7 +63,7 @@ async def _drop(settings: Settings) -> None:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
     finally:
         await conn.close()
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**settings.kafka_options())
     await admin.start()
     try:
         mine = [t for t in await admin.list_topics() if t.startswith(settings.topic_prefix + ".")]

@@ -20,18 +20,28 @@ def register(app: typer.Typer) -> None:
         out_path: Annotated[Path, typer.Option("-o", "--output", help="Output JSONL.")],
         api_key: Annotated[str | None, typer.Option(
             "--api-key", help="API key (default: SLUICE_API_KEY).")] = None,
-        concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 64,
+        concurrency: Annotated[int, typer.Option(
+            "--concurrency", min=1, help="Requests in flight at once.")] = 64,
+        timeout: Annotated[float | None, typer.Option(
+            "--timeout", min=0.001, help="Seconds to wait for each line's answer (default: "
+            "SLUICE_CLIENT__REQUEST_TIMEOUT_SECS); a line without one gets no output line "
+            "and is retried by the next run.")] = None,
+        keep_errors: Annotated[bool, typer.Option(
+            "--keep-errors", help="Keep lines that ended in an error or timeout instead of "
+            "retrying them.")] = False,
     ) -> None:
-        """Run every line of IN through the model; resumable (skips ids already in OUT)."""
+        """Run every line of IN through the model. Resumable: a re-run skips ids answered
+        in OUT and retries those that failed. Exits 1 when any line has no answer."""
         import uvloop
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-        from sluice.batch import run_batch
+        from sluice.batch import BatchSummary, run_batch
         from sluice.client import Client
 
         if not in_path.is_file():
             raise fail(f"no input file at {in_path}", 2)
         key = api_key or os.environ.get("SLUICE_API_KEY")
+        summary = BatchSummary()
 
         async def main() -> None:
             client = Client()
@@ -39,16 +49,28 @@ def register(app: typer.Typer) -> None:
                 with Progress("[progress.description]{task.description}", BarColumn(),
                               MofNCompleteColumn(), TimeRemainingColumn()) as progress:
                     task = progress.add_task("batch", total=None)
-                    summary = await run_batch(
+                    await run_batch(
                         client, in_path, out_path, model=model, api_key=key,
-                        concurrency=concurrency,
-                        on_progress=lambda n: progress.advance(task, n),
+                        concurrency=concurrency, timeout_s=timeout, keep_errors=keep_errors,
+                        summary=summary, on_progress=lambda n: progress.advance(task, n),
                         on_total=lambda n: progress.update(task, total=n),
                     )
             finally:
                 await client.aclose()
-            for problem in summary.invalid_lines[:20]:
-                typer.echo(f"skipped invalid input {problem}", err=True)
-            typer.echo(summary.line())
 
-        uvloop.run(main())
+        try:
+            uvloop.run(main())
+        except KeyboardInterrupt:
+            typer.echo(f"interrupted: {summary.num_finished} of {summary.num_todo} lines "
+                       f"finished this run ({summary.num_done} done, {summary.num_errors} "
+                       f"errors) and written to {out_path}; run the same command again to "
+                       "continue where it stopped", err=True)
+            raise typer.Exit(130) from None
+        for problem in summary.invalid_lines[:20]:
+            typer.echo(f"skipped invalid input {problem}", err=True)
+        typer.echo(summary.line())
+        if summary.failed:
+            typer.echo(f"some lines have no answer (see their `error` in {out_path}); a re-run "
+                       "retries them" + ("" if not keep_errors else " without --keep-errors"),
+                       err=True)
+            raise typer.Exit(1)

@@ -16,14 +16,20 @@ def register(app: typer.Typer) -> None:
     @friendly_errors
     def chat_cmd(
         model: Annotated[str, typer.Option("--model", help="The model's key.")],
-        adapter: Annotated[str | None, typer.Option("--adapter")] = None,
+        adapter: Annotated[str | None, typer.Option(
+            "--adapter", help="A LoRA adapter of the model (default: the base model).")] = None,
         session: Annotated[str | None, typer.Option(
             "--session", help="Session id (default: a new one). Turns reuse its KV cache.")]
         = None,
         api_key: Annotated[str | None, typer.Option(
             "--api-key", help="API key (default: SLUICE_API_KEY).")] = None,
-        max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
-        temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
+        max_tokens: Annotated[int, typer.Option(
+            "--max-tokens", help="Most tokens per answer.")] = 128,
+        temperature: Annotated[float, typer.Option(
+            "--temperature", help="Sampling temperature (0: greedy).")] = 0.0,
+        timeout: Annotated[float | None, typer.Option(
+            "--timeout", min=0.001, help="Seconds to wait for each answer (default: "
+            "SLUICE_CLIENT__REQUEST_TIMEOUT_SECS).")] = None,
         system: Annotated[str | None, typer.Option("--system", help="A system prompt.")]
         = None,
     ) -> None:
@@ -35,6 +41,7 @@ def register(app: typer.Typer) -> None:
 
         from schemas import DoneEvent, ErrorEvent, TimeoutEvent, TokenEvent
         from sluice.client import Client
+        from sluice.errors import RequestTimeoutError
 
         console = Console()
         key = api_key or os.environ.get("SLUICE_API_KEY")
@@ -46,26 +53,39 @@ def register(app: typer.Typer) -> None:
         async def turn(client: Client, text: str) -> None:
             messages.append({"role": "user", "content": text})
             reply = ""
-            async for event in client.stream(
-                model=model, adapter=adapter, session_id=session_id, api_key=key,
-                messages=messages, max_tokens=max_tokens, temperature=temperature,
-            ):
-                if isinstance(event, TokenEvent):
-                    console.print(event.text, end="", markup=False, highlight=False)
-                elif isinstance(event, DoneEvent):
-                    reply = event.text
-                    console.print(f"\n[dim]({event.usage.completion_tokens} tokens, ttft "
-                                  f"{event.timing.ttft_ms:.0f} ms, "
-                                  f"{event.usage.cached_prompt_tokens} prompt tokens cached)[/]")
-                elif isinstance(event, ErrorEvent):
-                    console.print(f"\n[red]error ({event.code.value}): {event.message}[/]")
-                    messages.pop()
-                    return
-                elif isinstance(event, TimeoutEvent):
-                    console.print(f"\n[red]timed out after {event.waited_ms:.0f} ms[/]")
-                    messages.pop()
-                    return
+            try:
+                async for event in client.stream(
+                    model=model, adapter=adapter, session_id=session_id, api_key=key,
+                    messages=messages, max_tokens=max_tokens, temperature=temperature,
+                    timeout=timeout,
+                ):
+                    if not show(event):
+                        messages.pop()
+                        return
+                    if isinstance(event, DoneEvent):
+                        reply = event.text
+            except RequestTimeoutError as exc:
+                console.print(f"\n[red]{exc}[/]", highlight=False)
+                messages.pop()
+                return
             messages.append({"role": "assistant", "content": reply})
+
+        def show(event: object) -> bool:
+            """Print one event; False when the turn failed."""
+            if isinstance(event, TokenEvent):
+                console.print(event.text, end="", markup=False, highlight=False)
+            elif isinstance(event, DoneEvent):
+                console.print(f"\n[dim]({event.usage.completion_tokens} tokens, ttft "
+                              f"{event.timing.ttft_ms:.0f} ms, "
+                              f"{event.usage.cached_prompt_tokens} prompt tokens cached)[/]")
+            elif isinstance(event, ErrorEvent):
+                console.print(f"\n[red]error ({event.code.value}): {event.message}[/]",
+                              highlight=False)
+                return False
+            elif isinstance(event, TimeoutEvent):
+                console.print(f"\n[red]timed out after {event.waited_ms:.0f} ms[/]")
+                return False
+            return True
 
         async def main() -> None:
             client = Client()
@@ -83,4 +103,8 @@ def register(app: typer.Typer) -> None:
             finally:
                 await client.aclose()
 
-        uvloop.run(main())
+        try:
+            uvloop.run(main())
+        except KeyboardInterrupt:
+            console.print("\n[dim]bye[/]")
+            raise typer.Exit(130) from None

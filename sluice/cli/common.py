@@ -22,6 +22,7 @@ def friendly_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from aiokafka.errors import KafkaError
         from pydantic import ValidationError
 
         from infra.common import InfraError
@@ -31,8 +32,10 @@ def friendly_errors(func: F) -> F:
             return func(*args, **kwargs)
         except (SluiceError, InfraError, ValidationError, FileNotFoundError) as exc:
             raise fail(str(exc)) from None
+        except KafkaError as exc:
+            raise fail(f"Kafka: {type(exc).__name__}: {exc}") from None
         except OSError as exc:
-            raise fail(f"could not reach a dependency: {exc}") from None
+            raise fail(f"could not reach a dependency: {exc or type(exc).__name__}") from None
 
     return wrapper  # type: ignore[return-value]
 

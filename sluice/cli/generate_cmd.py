@@ -30,15 +30,21 @@ def register(app: typer.Typer) -> None:
         model_path: Annotated[
             Path, typer.Option("--model-path", help="Hugging Face model directory.")
         ],
-        max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 16,
+        max_tokens: Annotated[int, typer.Option(
+            "--max-tokens", min=1, help="Most tokens to generate.")] = 16,
         prompt_ids: Annotated[str | None, typer.Option("--prompt-ids", help="e.g. 1,2,3")] = None,
         prompt: Annotated[
             str | None, typer.Option("--prompt", help="Text; needs tokenizer.json.")
         ] = None,
-        temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
-        top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-        top_k: Annotated[int, typer.Option("--top-k", min=0)] = 0,
-        seed: Annotated[int | None, typer.Option("--seed")] = None,
+        temperature: Annotated[float, typer.Option(
+            "--temperature", min=0.0, help="Sampling temperature (0: greedy).")] = 0.0,
+        top_p: Annotated[float, typer.Option(
+            "--top-p", help="Nucleus sampling: keep the smallest set of tokens whose "
+            "probability reaches this (1: all).")] = 1.0,
+        top_k: Annotated[int, typer.Option(
+            "--top-k", min=0, help="Sample among the k likeliest tokens (0: all).")] = 0,
+        seed: Annotated[int | None, typer.Option(
+            "--seed", help="Seed of the request's sampler, for repeatable samples.")] = None,
         quantization: Annotated[str, typer.Option("--quantization", help="none | fp8")] = "none",
         device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
         dtype: Annotated[

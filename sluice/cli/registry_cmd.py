@@ -36,7 +36,9 @@ def add_model_commands(models: typer.Typer) -> None:
     def register_cmd(
         model: ModelOpt,
         path: Annotated[str, typer.Option("--path", help="Hugging Face model directory.")],
-        partitions: Annotated[int | None, typer.Option(help="Request-topic partitions.")] = None,
+        partitions: Annotated[int | None, typer.Option(
+            "--partitions", help="Request-topic partitions (SLUICE_REQUEST_PARTITIONS).")]
+        = None,
     ) -> None:
         """Register a model: creates its request topic and publishes its deployment."""
         with _client() as client:
@@ -61,8 +63,11 @@ def add_model_commands(models: typer.Typer) -> None:
     @friendly_errors
     def update_cmd(
         model: ModelOpt,
-        pools: Annotated[str | None, typer.Option("--pools", help="Comma-separated.")] = None,
-        max_ttft_ms: Annotated[int | None, typer.Option("--max-ttft-ms")] = None,
+        pools: Annotated[str | None, typer.Option(
+            "--pools", help="Compute pools that serve the model, comma-separated.")] = None,
+        max_ttft_ms: Annotated[int | None, typer.Option(
+            "--max-ttft-ms", help="Longest wait for a first token, queue time included.")]
+        = None,
     ) -> None:
         """Change a model's placement: compute pools and max time to first token."""
         placement: dict[str, object] = {}
@@ -71,7 +76,27 @@ def add_model_commands(models: typer.Typer) -> None:
         if max_ttft_ms is not None:
             placement["max_ttft_ms"] = max_ttft_ms
         with _client() as client:
-            _print_deployment(client.models.update(model=model, placement=placement))
+            dep = client.models.update(model=model, placement=placement)
+            _print_deployment(dep)
+            new_pools = list(dep.placement.compute_pools)
+            if not any(w.live for w in client.workers.list(model=model, pools=new_pools)):
+                Console(stderr=True).print(
+                    f"[yellow]warning:[/] no live worker of {model} is in pools "
+                    f"{', '.join(new_pools)}: its requests wait until one starts there "
+                    f"(`sluice worker --model {model} --pool {new_pools[0]}`)", highlight=False)
+
+    @models.command("remove")
+    @friendly_errors
+    def remove_cmd(
+        model: ModelOpt,
+        keep_topic: Annotated[bool, typer.Option(
+            "--keep-topic", help="Keep the request topic (and any requests still on it).")]
+        = False,
+    ) -> None:
+        """Remove a model: its registry entry, adapters, grants and request topic."""
+        with _client() as client:
+            client.models.remove(model=model, keep_topic=keep_topic)
+        typer.echo(f"removed model {model}" + ("" if keep_topic else " and its request topic"))
 
     @models.command("show")
     @friendly_errors
@@ -106,6 +131,28 @@ def _models_group(app: typer.Typer) -> typer.Typer:
 
 def register(app: typer.Typer) -> None:
     add_model_commands(_models_group(app))
+
+    @app.command("workers")
+    @friendly_errors
+    def workers_cmd(
+        model: Annotated[str | None, typer.Option("--model", help="Only this model's.")]
+        = None,
+        show_all: Annotated[bool, typer.Option(
+            "--all", help="Also workers not seen in the last minute.")] = False,
+    ) -> None:
+        """List workers by their heartbeats: where they run and when they were last seen."""
+        table = Table("instance", "model", "pool", "device", "memory GiB", "last seen", "live")
+        with _client() as client:
+            workers = [w for w in client.workers.list(model=model) if show_all or w.live]
+        for w in workers:
+            table.add_row(w.instance_id, w.model, w.pool, w.device,
+                          f"{w.device_memory_bytes / 2**30:.1f}",
+                          w.last_seen.strftime("%Y-%m-%d %H:%M:%S"), "yes" if w.live else "no")
+        Console().print(table)
+        if not workers:
+            what = f" of model {model}" if model else ""
+            Console(stderr=True).print(f"no live worker{what}; start one with `sluice worker "
+                                       f"--model {model or 'KEY'}`", highlight=False)
     adapters = typer.Typer(help="LoRA adapters of a registered model.", no_args_is_help=True)
     keys = typer.Typer(help="API keys and their grants.", no_args_is_help=True)
     app.add_typer(adapters, name="adapters")
@@ -115,7 +162,7 @@ def register(app: typer.Typer) -> None:
     @friendly_errors
     def adapter_register_cmd(
         model: ModelOpt,
-        name: Annotated[str, typer.Option("--name")],
+        name: Annotated[str, typer.Option("--name", help="The adapter's name in requests.")],
         path: Annotated[str, typer.Option("--path", help="PEFT LoRA adapter directory.")],
     ) -> None:
         """Register a PEFT LoRA adapter (refused past the model's max_adapters)."""
@@ -133,7 +180,10 @@ def register(app: typer.Typer) -> None:
 
     @adapters.command("remove")
     @friendly_errors
-    def adapter_remove_cmd(model: ModelOpt, name: Annotated[str, typer.Option("--name")]) -> None:
+    def adapter_remove_cmd(
+        model: ModelOpt,
+        name: Annotated[str, typer.Option("--name", help="The adapter's name.")],
+    ) -> None:
         """Remove an adapter from a model."""
         with _client() as client:
             client.adapters.remove(model=model, name=name)
@@ -142,7 +192,7 @@ def register(app: typer.Typer) -> None:
     @keys.command("create")
     @friendly_errors
     def key_create_cmd(
-        tenant: Annotated[str, typer.Option("--tenant")],
+        tenant: Annotated[str, typer.Option("--tenant", help="Who the key belongs to.")],
         reply_prefix: Annotated[str | None, typer.Option(
             "--reply-prefix", help="Only allow reply topics starting with this.")] = None,
     ) -> None:
@@ -155,7 +205,9 @@ def register(app: typer.Typer) -> None:
     def key_grant_cmd(
         key: Annotated[str, typer.Option("--key", help="The key, or its id.")],
         model: ModelOpt,
-        adapter: Annotated[str | None, typer.Option("--adapter")] = None,
+        adapter: Annotated[str | None, typer.Option(
+            "--adapter", help="Grant this adapter of the model (default: the base model); "
+            "grant each adapter a key may use.")] = None,
     ) -> None:
         """Allow a key to use a model (its base) or one adapter of it."""
         with _client() as client:

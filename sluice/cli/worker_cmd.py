@@ -27,12 +27,16 @@ def register(app: typer.Typer) -> None:
         = 0,
         instance_id: Annotated[str | None, typer.Option(
             "--instance-id", help="Static group member id (default pool-host-replica).")] = None,
-        max_batched_tokens: Annotated[int, typer.Option("--max-batched-tokens")] = 512,
+        max_batched_tokens: Annotated[int, typer.Option(
+            "--max-batched-tokens", min=1, help="Token budget of one model step.")] = 512,
         memory_budget_gib: Annotated[float | None, typer.Option(
             "--memory-budget-gib", help="Device memory the model may use (default: free).")]
         = None,
-        kafka_bootstrap: Annotated[str | None, typer.Option("--kafka-bootstrap")] = None,
-        database_url: Annotated[str | None, typer.Option("--database-url")] = None,
+        kafka_bootstrap: Annotated[str | None, typer.Option(
+            "--kafka-bootstrap", help="Kafka bootstrap servers (SLUICE_KAFKA_BOOTSTRAP).")]
+        = None,
+        database_url: Annotated[str | None, typer.Option(
+            "--database-url", help="PostgreSQL URL (SLUICE_DATABASE_URL).")] = None,
         metrics_port: Annotated[int | None, typer.Option(
             "--metrics-port", help="Prometheus port (SLUICE_METRICS_PORT; 0 = any free).")]
         = None,
@@ -42,7 +46,8 @@ def register(app: typer.Typer) -> None:
         replicas: Annotated[int | None, typer.Option(
             "--replicas", help="Replicas on this host (default on cuda: GPUs // tp).")]
         = None,
-        log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+        log_level: Annotated[str, typer.Option(
+            "--log-level", help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
     ) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
         import uvloop

@@ -53,13 +53,15 @@ def settings_env(settings: Settings, pool: str = "default") -> dict[str, str]:
 
 @contextlib.contextmanager
 def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str = "default",
-                   replica: int = 0, extra: list[str] | None = None) -> Iterator[WorkerProcess]:
+                   replica: int = 0, extra: list[str] | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[WorkerProcess]:
     log_path = log_dir / f"worker-{pool}-{replica}-{time.monotonic_ns()}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sluice", "worker", "--model", model, "--replica",
              str(replica), *(extra or [])],
-            env=settings_env(settings, pool), stdout=log, stderr=subprocess.STDOUT,
+            env={**settings_env(settings, pool), **(env or {})}, stdout=log,
+            stderr=subprocess.STDOUT,
         )
     worker = WorkerProcess(proc, log_path)
     try:
@@ -67,6 +69,17 @@ def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str =
     finally:
         worker.kill(signal.SIGTERM)
         worker.kill(signal.SIGKILL)
+
+
+def scrape_metrics(worker: WorkerProcess) -> str:
+    """The worker's Prometheus exposition (its port is in its log)."""
+    import re
+    import urllib.request
+
+    worker.wait_for_log("metrics on port")
+    port = int(re.search(r"metrics on port (\d+)", worker.log_path.read_text()).group(1))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
 
 
 async def drop_schema(settings: Settings) -> None:

@@ -145,7 +145,7 @@ async def test_keys_grants_and_fast_revocation(settings, model_dir) -> None:
     cp = await ControlPlane.connect(settings)
     pool = await create_pool(settings)
     checker = PermissionChecker(pool, settings.db_schema)
-    await checker.start()
+    checker.start()
     try:
         await cp.register_model("tiny", str(model_dir))
         key = await cp.create_key("acme")

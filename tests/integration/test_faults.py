@@ -17,6 +17,7 @@ from gpu_runtime.tiny import make_tiny_model
 from sluice.errors import RequestError
 from sluice.settings import Settings
 from sluice.worker import Worker, WorkerOptions
+from tests.conftest import free_port
 from tests.integration.pipeline_helpers import drop_schema, settings_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -76,12 +77,11 @@ async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) ->
         await drop_schema(settings)
 
 
-def _private_infra(tmp_path: Path, offset: int):
+def _private_infra(tmp_path: Path):
     from infra.common import InfraConfig
 
-    return InfraConfig.from_env(state_dir=tmp_path / "infra", kafka_port=39292 + offset,
-                                kafka_controller_port=39293 + offset,
-                                postgres_port=39632 + offset)
+    return InfraConfig.from_env(state_dir=tmp_path / "infra", kafka_port=free_port(),
+                                kafka_controller_port=free_port(), postgres_port=free_port())
 
 
 def _worker(settings: Settings, log: Path, model: str = "tiny") -> subprocess.Popen[bytes]:
@@ -105,7 +105,7 @@ async def test_database_outage_delays_but_never_skips_the_check(endpoints, uniqu
                                                                   tmp_path) -> None:
     from infra import postgres
 
-    cfg = _private_infra(tmp_path, 0)
+    cfg = _private_infra(tmp_path)
     url = str(postgres.up(cfg)["url"])
     settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap, database_url=url,
                         db_schema=unique_name, topic_prefix=unique_name, request_partitions=2)
@@ -147,7 +147,7 @@ async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
                                                        tmp_path) -> None:
     from infra import kafka_broker
 
-    cfg = _private_infra(tmp_path, 1)
+    cfg = _private_infra(tmp_path)
     bootstrap = str((await asyncio.to_thread(kafka_broker.up, cfg))["bootstrap"])
     settings = Settings(kafka_bootstrap=bootstrap, database_url=endpoints.database_url,
                         db_schema=unique_name, topic_prefix=unique_name, request_partitions=2)
@@ -195,7 +195,7 @@ async def test_a_terminal_event_sent_while_the_broker_is_away_lands_when_it_retu
     from results.writer import ResultWriter
     from schemas import ErrorCode
 
-    cfg = _private_infra(tmp_path, 10)
+    cfg = _private_infra(tmp_path)
     bootstrap = str((await asyncio.to_thread(kafka_broker.up, cfg))["bootstrap"])
     settings = Settings(kafka_bootstrap=bootstrap, database_url="postgresql://unused",
                         topic_prefix=unique_name, client={"timeout_secs": 2})
@@ -241,3 +241,47 @@ async def test_a_terminal_event_sent_while_the_broker_is_away_lands_when_it_retu
     finally:
         await consumer.stop()
         await asyncio.to_thread(kafka_broker.purge, cfg)
+
+
+async def test_a_worker_task_that_fails_stops_the_worker(settings, tmp_path, caplog) -> None:
+    """A worker started after its compute config changed loads the newest revision
+    once (no reload at start). Then one of its background tasks raises: the worker
+    logs it with its traceback, stops being ready and stops within seconds with
+    `fatal` set (the CLI exits 3), rather than living on without it."""
+    import logging
+
+    from sluice.worker import WorkerTaskFailed
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir))
+    client.models.update_compute_config(model="tiny", compute_config={"kv_cache_len": 3072})
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    worker = Worker(settings, WorkerOptions(model="tiny", instance_id="task-fault-0"))
+    task = asyncio.create_task(worker.run())
+    try:
+        done = await asyncio.wait_for(client.complete(
+            model="tiny", api_key=key, prompt_token_ids=[3, 4, 5], max_tokens=2), 120)
+        assert done.usage.completion_tokens >= 1
+        assert worker.metrics.ready
+        assert worker.num_reloads == 0 and worker.deployment.revision == 2
+
+        def broken_gauge(num_waiting: int, num_running: int) -> None:
+            raise ValueError("injected gauge failure")
+
+        worker.metrics.set_queue = broken_gauge  # type: ignore[method-assign]
+        caplog.set_level(logging.ERROR, logger="sluice.worker")
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(asyncio.shield(task), 30)
+        assert asyncio.get_running_loop().time() - started < 15
+        assert isinstance(worker.fatal, WorkerTaskFailed)
+        assert "'gauges' failed" in str(worker.fatal) and "injected" in str(worker.fatal)
+        assert not worker.metrics.ready
+        failures = [r for r in caplog.records if "'gauges' failed" in r.getMessage()]
+        assert failures and failures[0].exc_info is not None  # with its traceback
+    finally:
+        worker.stop()
+        await task
+        await client.aclose()
+        await drop_schema(settings)

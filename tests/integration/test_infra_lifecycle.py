@@ -10,6 +10,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.conftest import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
@@ -21,12 +23,13 @@ def _sluice(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 def test_up_twice_status_down_status(tmp_path: Path) -> None:
+    kafka_port, pg_port = free_port(), free_port()
     env = {
         **os.environ,
         "SLUICE_STATE_DIR": str(tmp_path / "state"),
-        "SLUICE_INFRA_KAFKA_PORT": "39192",
-        "SLUICE_INFRA_KAFKA_CONTROLLER_PORT": "39193",
-        "SLUICE_INFRA_POSTGRES_PORT": "39532",
+        "SLUICE_INFRA_KAFKA_PORT": str(kafka_port),
+        "SLUICE_INFRA_KAFKA_CONTROLLER_PORT": str(free_port()),
+        "SLUICE_INFRA_POSTGRES_PORT": str(pg_port),
     }
     try:
         first = _sluice("infra", "up", env=env)
@@ -37,11 +40,11 @@ def test_up_twice_status_down_status(tmp_path: Path) -> None:
 
         status = orjson.loads(_sluice("infra", "status", "--json", env=env).stdout)
         assert status["kafka"]["up"] is True
-        assert status["kafka"]["bootstrap"] == "127.0.0.1:39192"
+        assert status["kafka"]["bootstrap"] == f"127.0.0.1:{kafka_port}"
         assert status["kafka"]["version"].startswith("4.")
         assert status["postgres"]["up"] is True
         assert status["postgres"]["url"].startswith("postgresql://")
-        assert ":39532/" in status["postgres"]["url"]
+        assert f":{pg_port}/" in status["postgres"]["url"]
         # The second `up` was a no-op: the same processes still serve.
         assert status["kafka"]["pid"] == pids_before["kafka"]["pid"]
         assert status["postgres"]["pid"] == pids_before["postgres"]["pid"]
@@ -49,7 +52,7 @@ def test_up_twice_status_down_status(tmp_path: Path) -> None:
         assert b"kafka.Kafka" in cmdline and b"java" in cmdline
 
         env_out = _sluice("infra", "env", env=env).stdout.splitlines()
-        assert env_out[0] == "export SLUICE_KAFKA_BOOTSTRAP=127.0.0.1:39192"
+        assert env_out[0] == f"export SLUICE_KAFKA_BOOTSTRAP=127.0.0.1:{kafka_port}"
         assert env_out[1].startswith("export SLUICE_DATABASE_URL='postgresql://")
     finally:
         down = _sluice("infra", "down", env=env)
@@ -87,7 +90,7 @@ def test_a_new_state_dir_reaches_the_cluster_left_at_its_path(tmp_path: Path) ->
     from infra import postgres
     from infra.common import InfraConfig
 
-    cfg = InfraConfig.from_env(state_dir=tmp_path / "state", postgres_port=39732)
+    cfg = InfraConfig.from_env(state_dir=tmp_path / "state", postgres_port=free_port())
     paths = postgres._paths(cfg)
     try:
         postgres.up(cfg)

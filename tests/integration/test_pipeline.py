@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import orjson
@@ -58,7 +59,6 @@ async def _committed_past(admin, group: str, record: DeadLetterRecord) -> None:
 
 def _scrape(worker) -> str:
     import re
-    import time
     import urllib.request
 
     worker.wait_for_log("metrics on port")
@@ -77,6 +77,7 @@ async def test_multi_turn_session_reuses_the_kv_cache(settings, tiny_model, tmp_
             cached = []
             for turn in range(3):
                 tokens: list[int] = []
+                text = ""
                 done = None
                 async with asyncio.timeout(120):
                     async for event in client.stream(
@@ -85,10 +86,12 @@ async def test_multi_turn_session_reuses_the_kv_cache(settings, tiny_model, tmp_
                     ):
                         if isinstance(event, TokenEvent):
                             tokens += event.token_ids
+                            text += event.text
                         else:
                             done = event
                 assert isinstance(done, DoneEvent), (done, worker.log())
                 assert done.token_ids == tokens
+                assert done.text == text
                 assert done.usage.completion_tokens == len(tokens)
                 cached.append(done.usage.cached_prompt_tokens)
                 messages += [{"role": "assistant", "content": done.text},
@@ -208,7 +211,6 @@ async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
     instead of retrying for ten request timeouts or staying unfinished. Requests to the
     gone topic never hold up other requests' events (the writer is sequential, and
     waiting for the topic's metadata could take a whole request timeout, 30 s here)."""
-    import time
 
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
@@ -294,7 +296,6 @@ def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_pat
     import signal
     import subprocess
     import sys
-    import time
 
     from tests.integration.pipeline_helpers import settings_env
 
@@ -325,8 +326,10 @@ def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_pat
             assert 100 <= partial < 501, partial
 
             second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            assert second.returncode == 0, second.stdout + second.stderr + worker.log()
+            # bad-1 fails again: the job says so with its exit code.
+            assert second.returncode == 1, second.stdout + second.stderr + worker.log()
             assert "skipped" in second.stdout and "tokens/s" in second.stdout
+            assert "1 errors" in second.stdout and "a re-run retries them" in second.stderr
     finally:
         asyncio.run(drop_schema(settings))
     outputs = [orjson.loads(raw) for raw in out_path.read_bytes().splitlines() if raw.strip()]
@@ -335,6 +338,67 @@ def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_pat
     by_id = {o["custom_id"]: o for o in outputs}
     assert by_id["bad-1"]["error"]["code"] == "invalid_request"
     assert all(by_id[f"job-{i}"]["response"]["type"] == "done" for i in range(500))
+
+
+def test_batch_rerun_retries_failed_lines(settings, tiny_model, tmp_path) -> None:
+    """A first run with a key not yet granted fails every line (exit 1); after the
+    grant, a re-run retries exactly those lines and replaces their error lines;
+    --keep-errors keeps an error line as it is."""
+    import subprocess
+    import sys
+
+    from tests.integration.pipeline_helpers import settings_env
+
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(tiny_model),
+                           compute_config={"kv_cache_len": 4096})
+    key = client.keys.create(tenant="acme")
+    in_path, out_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"custom_id": f"job-{i}", "body": {"prompt": f"Item {i}", "max_tokens": 3}}
+             for i in range(4)]
+    in_path.write_bytes(b"\n".join(orjson.dumps(line) for line in lines) + b"\n")
+    env = {**settings_env(settings), "SLUICE_API_KEY": key}
+    cmd = [sys.executable, "-m", "sluice", "batch", str(in_path), "--model", "tiny",
+           "-o", str(out_path)]
+
+    def outputs() -> dict[str, list[dict]]:
+        by_id: dict[str, list[dict]] = {}
+        for raw in out_path.read_bytes().splitlines():
+            line = orjson.loads(raw)
+            by_id.setdefault(line["custom_id"], []).append(line)
+        return by_id
+
+    try:
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            assert first.returncode == 1, first.stdout + first.stderr + worker.log()
+            assert "0 done, 4 errors" in first.stdout
+            assert all(ls[0]["error"]["code"] == "unauthorized" for ls in outputs().values())
+
+            client.keys.grant(key, model="tiny")
+            time.sleep(1.5)  # the workers' permission caches hear of it (LISTEN/NOTIFY)
+            second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            assert second.returncode == 0, second.stdout + second.stderr + worker.log()
+            assert "4 done, 0 errors, 0 skipped (already answered), 4 retried" in second.stdout
+            by_id = outputs()
+            assert sorted(by_id) == [f"job-{i}" for i in range(4)]
+            assert all(len(ls) == 1 and ls[0]["response"]["type"] == "done"
+                       for ls in by_id.values())
+
+            with in_path.open("ab") as src:
+                src.write(orjson.dumps({"custom_id": "bad", "body": {"max_tokens": 2}}) + b"\n")
+            third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            assert third.returncode == 1 and "4 skipped" in third.stdout, third.stdout
+            kept = subprocess.run([*cmd, "--keep-errors"], env=env, capture_output=True,
+                                  text=True, timeout=300)
+            assert kept.returncode == 1, kept.stdout + kept.stderr
+            assert "0 done, 0 errors, 4 skipped (already answered), 1 earlier errors kept" \
+                in kept.stdout
+            assert len(outputs()["bad"]) == 1
+            assert outputs()["bad"][0]["error"]["code"] == "invalid_request"
+    finally:
+        client.close()
+        asyncio.run(drop_schema(settings))
 
 
 def test_chat_cli_holds_a_conversation(settings, tiny_model, tmp_path) -> None:

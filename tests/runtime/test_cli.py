@@ -94,3 +94,29 @@ def test_make_tiny_train_steps_teaches_the_model_its_lines(tmp_path):
     out = json.loads(res.stdout)
     assert out["text"] == " from the hills to the sea."
     assert out["finish_reason"] == "stop"  # the eos it was taught to end the line with
+
+
+def _commands(cmd, path=()):
+    subs = getattr(cmd, "commands", None)
+    if subs:
+        for name, sub in subs.items():
+            yield from _commands(sub, (*path, name))
+    else:
+        yield " ".join(path), cmd
+
+
+def test_every_option_is_explained_and_flags_show_no_type() -> None:
+    """Each option of each command has help text, and `--help` shows flags as flags
+    (typer 0.29 printed a `<bool>` type beside every one)."""
+    import typer
+
+    runner = CliRunner()
+    commands = list(_commands(typer.main.get_command(app)))
+    assert len(commands) > 20
+    for name, cmd in commands:
+        for param in cmd.params:
+            if param.param_type_name == "option":
+                assert param.help, f"`sluice {name}` {param.opts[0]} has no help text"
+        res = runner.invoke(app, [*name.split(), "--help"], env={"COLUMNS": "160"})
+        assert res.exit_code == 0, res.output
+        assert "<bool>" not in res.output, f"sluice {name} --help:\n{res.output}"
