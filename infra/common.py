@@ -37,6 +37,10 @@ class InfraConfig:
     postgres_port: int = 39432
     jar_cache_dir: Path | None = None
     kafka_heap: str = "-Xms512m -Xmx1g"
+    # `--secure`: SASL_SSL on kafka_port, mutual TLS on kafka_tls_port, ACLs enforced,
+    # PostgreSQL over TLS only.
+    secure: bool = False
+    kafka_tls_port: int = 39094
 
     @classmethod
     def from_env(cls, **overrides: object) -> InfraConfig:
@@ -46,6 +50,8 @@ class InfraConfig:
             "kafka_port": int(env.get("SLUICE_INFRA_KAFKA_PORT", 39092)),
             "kafka_controller_port": int(env.get("SLUICE_INFRA_KAFKA_CONTROLLER_PORT", 39093)),
             "postgres_port": int(env.get("SLUICE_INFRA_POSTGRES_PORT", 39432)),
+            "kafka_tls_port": int(env.get("SLUICE_INFRA_KAFKA_TLS_PORT", 39094)),
+            "secure": env.get("SLUICE_INFRA_SECURE", "").lower() in ("1", "true", "yes"),
         }
         if env.get("SLUICE_JAR_CACHE"):
             values["jar_cache_dir"] = Path(env["SLUICE_JAR_CACHE"])

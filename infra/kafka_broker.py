@@ -3,6 +3,16 @@
 The broker is Apache Kafka itself: its jars come from Maven Central through
 Maven (`infra/kafka/pom.xml`) into a cache that outlives the state directory,
 and Java runs `kafka.Kafka`. Storage is formatted on first start.
+
+`secure` mode (`sluice infra up --secure`) runs a broker as a managed Kafka
+would: clients connect with SASL_SSL (SCRAM-SHA-256/512, or PLAIN) on
+`kafka_port` or with mutual TLS on `kafka_tls_port`, the broker's own traffic
+(controller, inter-broker) is mutual TLS with its certificate, and the KRaft
+`StandardAuthorizer` enforces ACLs. One super user, `admin`, is created at
+format time with a generated password; the client certificate's principal
+`sluice-client` is a super user too. Other users and ACLs are the operator's
+(see `infra/helm/sluice/README.md`). Plain and secure brokers keep separate
+data; one runs at a time on the same ports.
 """
 
 from __future__ import annotations
@@ -10,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -18,6 +30,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from infra.common import (
     InfraConfig,
@@ -31,9 +44,12 @@ from infra.common import (
     stop_pid,
     tail,
 )
+from infra.tls import BROKER_CN, CLIENT_CN, TlsFiles, ensure_tls
 
 POM_PATH = Path(__file__).parent / "kafka" / "pom.xml"
 MAIN_CLASS = "kafka.Kafka"
+ADMIN_USER = "admin"
+SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
 def kafka_version() -> str:
@@ -73,8 +89,9 @@ def ensure_jars(cfg: InfraConfig) -> Path:
     return target
 
 
-def _paths(cfg: InfraConfig) -> dict[str, Path]:
-    root = cfg.state_dir / "kafka"
+def _paths(cfg: InfraConfig, secure: bool | None = None) -> dict[str, Path]:
+    secure = cfg.secure if secure is None else secure
+    root = cfg.state_dir / ("kafka-secure" if secure else "kafka")
     return {
         "root": root,
         "data": root / "data",
@@ -83,6 +100,8 @@ def _paths(cfg: InfraConfig) -> dict[str, Path]:
         "log": root / "kafka.log",
         "stdout": root / "stdout.log",
         "pid": root / "kafka.pid",
+        "password": root / "admin.password",
+        "keystore": root / "server-keystore.pem",
     }
 
 
@@ -90,19 +109,112 @@ def bootstrap(cfg: InfraConfig) -> str:
     return f"127.0.0.1:{cfg.kafka_port}"
 
 
-def _write_configs(cfg: InfraConfig, paths: dict[str, Path]) -> None:
+def tls_bootstrap(cfg: InfraConfig) -> str:
+    """The secure broker's mutual-TLS listener."""
+    return f"127.0.0.1:{cfg.kafka_tls_port}"
+
+
+def admin_password(cfg: InfraConfig) -> str:
+    """The secure broker's `admin` password, generated once and kept beside its data."""
+    path = _paths(cfg, secure=True)["password"]
+    try:
+        password = path.read_text().strip()
+    except OSError:
+        password = ""
+    if not password:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        password = secrets.token_urlsafe(18)  # no `,` `]` `=`: safe in --add-scram
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(password + "\n")
+        tmp.chmod(0o600)
+        tmp.replace(path)
+    return password
+
+
+def client_env(cfg: InfraConfig, mtls: bool = False) -> dict[str, str]:
+    """SLUICE_* settings of a client of this broker: plaintext, SASL_SSL as `admin`
+    (SCRAM-SHA-512), or (`mtls`) mutual TLS as `sluice-client`."""
+    if not cfg.secure:
+        return {"SLUICE_KAFKA_BOOTSTRAP": bootstrap(cfg)}
+    tls = TlsFiles(cfg.state_dir / "tls")
+    if mtls:
+        return {"SLUICE_KAFKA_BOOTSTRAP": tls_bootstrap(cfg),
+                "SLUICE_KAFKA__SECURITY_PROTOCOL": "SSL",
+                "SLUICE_KAFKA__SSL_CAFILE": str(tls.ca_cert),
+                "SLUICE_KAFKA__SSL_CERTFILE": str(tls.client_cert),
+                "SLUICE_KAFKA__SSL_KEYFILE": str(tls.client_key)}
+    return {"SLUICE_KAFKA_BOOTSTRAP": bootstrap(cfg),
+            "SLUICE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+            "SLUICE_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+            "SLUICE_KAFKA__SASL_USERNAME": ADMIN_USER,
+            "SLUICE_KAFKA__SASL_PASSWORD_FILE": str(_paths(cfg, secure=True)["password"]),
+            "SLUICE_KAFKA__SSL_CAFILE": str(tls.ca_cert)}
+
+
+def _aiokafka_options(cfg: InfraConfig) -> dict[str, Any]:
+    """What aiokafka needs to ask this broker for metadata (as `admin`)."""
+    if not cfg.secure:
+        return {"bootstrap_servers": bootstrap(cfg)}
+    from aiokafka.helpers import create_ssl_context
+
+    return {"bootstrap_servers": bootstrap(cfg), "security_protocol": "SASL_SSL",
+            "ssl_context": create_ssl_context(cafile=str(TlsFiles(cfg.state_dir / "tls").ca_cert)),
+            "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": ADMIN_USER,
+            "sasl_plain_password": admin_password(cfg)}
+
+
+def _listener_lines(cfg: InfraConfig, paths: dict[str, Path]) -> list[str]:
     port, ctrl = cfg.kafka_port, cfg.kafka_controller_port
+    if not cfg.secure:
+        return [
+            f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctrl}",
+            f"advertised.listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctrl}",
+            "controller.listener.names=CONTROLLER",
+            "inter.broker.listener.name=PLAINTEXT",
+            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        ]
+    tls = ensure_tls(cfg.state_dir)
+    # The broker's key and certificate chain in one PEM file: its key store.
+    keystore = tls.server_key.read_bytes() + tls.server_cert.read_bytes()
+    paths["keystore"].write_bytes(keystore)
+    paths["keystore"].chmod(0o600)
+    listeners = (f"SASL_SSL://127.0.0.1:{port},SSL://127.0.0.1:{cfg.kafka_tls_port},"
+                 f"CONTROLLER://127.0.0.1:{ctrl}")
+    scram = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+    plain = ("org.apache.kafka.common.security.plain.PlainLoginModule required "
+             f'user_{ADMIN_USER}="{admin_password(cfg)}";')
+    return [
+        f"listeners={listeners}",
+        f"advertised.listeners={listeners}",
+        "controller.listener.names=CONTROLLER",
+        # Between its own listeners the broker is a mutual-TLS client with its certificate.
+        "inter.broker.listener.name=SSL",
+        "listener.security.protocol.map=SASL_SSL:SASL_SSL,SSL:SSL,CONTROLLER:SSL",
+        "ssl.keystore.type=PEM",
+        f"ssl.keystore.location={paths['keystore']}",
+        "ssl.truststore.type=PEM",
+        f"ssl.truststore.location={tls.ca_cert}",
+        "listener.name.ssl.ssl.client.auth=required",
+        "listener.name.controller.ssl.client.auth=required",
+        "ssl.principal.mapping.rules=RULE:^CN=([^,]+)$/$1/,DEFAULT",
+        "sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512,PLAIN",
+        f"listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config={scram}",
+        f"listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config={scram}",
+        f"listener.name.sasl_ssl.plain.sasl.jaas.config={plain}",
+        "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        f"super.users=User:{ADMIN_USER};User:{BROKER_CN};User:{CLIENT_CN}",
+    ]
+
+
+def _write_configs(cfg: InfraConfig, paths: dict[str, Path]) -> None:
+    ctrl = cfg.kafka_controller_port
     paths["props"].write_text(
         "\n".join(
             [
                 "process.roles=broker,controller",
                 "node.id=1",
                 f"controller.quorum.bootstrap.servers=127.0.0.1:{ctrl}",
-                f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctrl}",
-                f"advertised.listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctrl}",
-                "controller.listener.names=CONTROLLER",
-                "inter.broker.listener.name=PLAINTEXT",
-                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                *_listener_lines(cfg, paths),
                 f"log.dirs={paths['data']}",
                 "num.partitions=1",
                 # sluice creates every topic itself; a typo must not create one.
@@ -147,6 +259,10 @@ def _format_storage(cfg: InfraConfig, paths: dict[str, Path], classpath: str) ->
         "java", "-cp", classpath, "kafka.tools.StorageTool", "format",
         f"--cluster-id={cluster_id}", "-c", str(paths["props"]), "--standalone", "-g",
     ]
+    if cfg.secure:  # SCRAM users exist in the metadata log from the start
+        password = admin_password(cfg)
+        for mechanism in SCRAM_MECHANISMS:
+            cmd += ["--add-scram", f"{mechanism}=[name={ADMIN_USER},password={password}]"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise InfraError(f"formatting Kafka storage failed:\n{result.stdout}{result.stderr}")
@@ -164,17 +280,21 @@ def kraft_cluster_id() -> str:
             return cluster_id
 
 
-def running_pid(cfg: InfraConfig) -> int | None:
-    pid = read_pid(_paths(cfg)["pid"])
+def running_pid(cfg: InfraConfig, secure: bool | None = None) -> int | None:
+    pid = read_pid(_paths(cfg, secure)["pid"])
     if pid is not None and pid_alive(pid) and MAIN_CLASS in pid_cmdline(pid):
         return pid
     return None
 
 
-async def _metadata_ok(servers: str, timeout_s: float) -> bool:
+def _other_mode_running(cfg: InfraConfig) -> bool:
+    return running_pid(cfg, secure=not cfg.secure) is not None
+
+
+async def _metadata_ok(options: dict[str, Any], timeout_s: float) -> bool:
     from aiokafka.client import AIOKafkaClient
 
-    client = AIOKafkaClient(bootstrap_servers=servers, request_timeout_ms=int(timeout_s * 1000))
+    client = AIOKafkaClient(**options, request_timeout_ms=int(timeout_s * 1000))
     try:
         await asyncio.wait_for(client.bootstrap(), timeout_s)
         return bool(client.cluster.brokers())
@@ -184,26 +304,36 @@ async def _metadata_ok(servers: str, timeout_s: float) -> bool:
         await client.close()
 
 
-def answers_metadata(servers: str, timeout_s: float = 3.0) -> bool:
+def answers_metadata(cfg: InfraConfig, timeout_s: float = 3.0) -> bool:
     """True if the broker answers a metadata request (callable from async code too)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_metadata_ok(servers, timeout_s))
+        return asyncio.run(_metadata_ok(_aiokafka_options(cfg), timeout_s))
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, _metadata_ok(servers, timeout_s)).result()
+        return pool.submit(asyncio.run, _metadata_ok(_aiokafka_options(cfg), timeout_s)).result()
 
 
 def up(cfg: InfraConfig, wait_s: float = 90.0) -> dict[str, object]:
     paths = _paths(cfg)
-    if running_pid(cfg) is not None and answers_metadata(bootstrap(cfg)):
+    if running_pid(cfg) is not None and answers_metadata(cfg):
         return status(cfg)
-    for port in (cfg.kafka_port, cfg.kafka_controller_port):
+    if _other_mode_running(cfg):
+        this, other = ("secure", "plaintext") if cfg.secure else ("plaintext", "secure")
+        raise InfraError(
+            f"the local Kafka broker runs {other} on these ports; stop it with "
+            f"`sluice infra down` before starting it {this}"
+            + ("" if cfg.secure else " (or add --secure / SLUICE_INFRA_SECURE=1)"))
+    ports = [cfg.kafka_port, cfg.kafka_controller_port]
+    if cfg.secure:
+        ports.append(cfg.kafka_tls_port)
+    for port in ports:
         if port_in_use(port):
             raise InfraError(
                 f"port {port} on 127.0.0.1 is taken by another process, so the local Kafka "
                 "broker cannot listen there. Stop that process or pick other ports with "
-                "--kafka-port/--kafka-controller-port (or SLUICE_INFRA_KAFKA_PORT)."
+                "--kafka-port/--kafka-controller-port/--kafka-tls-port (or "
+                "SLUICE_INFRA_KAFKA_PORT, ...)."
             )
     libs = ensure_jars(cfg)
     paths["root"].mkdir(parents=True, exist_ok=True)
@@ -244,38 +374,47 @@ def _wait_until_ready(cfg: InfraConfig, proc: subprocess.Popen[bytes], wait_s: f
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if port_answers(cfg.kafka_port) and answers_metadata(bootstrap(cfg)):
+        if port_answers(cfg.kafka_port) and answers_metadata(cfg):
             return True
         time.sleep(0.5)
     return False
 
 
 def down(cfg: InfraConfig) -> bool:
-    """Stop the broker this state directory started. True if one was stopped."""
-    paths = _paths(cfg)
-    pid = running_pid(cfg)
-    if pid is None:
-        paths["pid"].unlink(missing_ok=True)
-        return False
-    stopped = stop_pid(pid, signal.SIGTERM, 30)
-    if stopped:
-        paths["pid"].unlink(missing_ok=True)
-    return stopped
+    """Stop the broker this state directory started, plain or secure. True if one was
+    stopped."""
+    stopped_any = False
+    for secure in (False, True):
+        paths = _paths(cfg, secure)
+        pid = running_pid(cfg, secure)
+        if pid is None:
+            paths["pid"].unlink(missing_ok=True)
+            continue
+        if stop_pid(pid, signal.SIGTERM, 30):
+            paths["pid"].unlink(missing_ok=True)
+            stopped_any = True
+    return stopped_any
 
 
 def purge(cfg: InfraConfig) -> bool:
-    """Stop the broker and delete its data, configs and logs; True if there were any."""
+    """Stop the broker and delete its data, configs and logs (both modes'); True if
+    there were any."""
     down(cfg)
-    root = _paths(cfg)["root"]
-    existed = root.exists()
-    shutil.rmtree(root, ignore_errors=True)
+    existed = False
+    for secure in (False, True):
+        root = _paths(cfg, secure)["root"]
+        existed = existed or root.exists()
+        shutil.rmtree(root, ignore_errors=True)
     return existed
 
 
 def status(cfg: InfraConfig) -> dict[str, object]:
+    """The running broker's status (plain or secure), else that of `cfg`'s mode."""
+    if running_pid(cfg) is None and _other_mode_running(cfg):
+        cfg = dataclasses.replace(cfg, secure=not cfg.secure)
     pid = running_pid(cfg)
-    up_now = pid is not None and answers_metadata(bootstrap(cfg), 2.0)
-    return {
+    up_now = pid is not None and answers_metadata(cfg, 2.0)
+    report: dict[str, object] = {
         "up": up_now,
         "bootstrap": bootstrap(cfg),
         "port": cfg.kafka_port,
@@ -283,4 +422,9 @@ def status(cfg: InfraConfig) -> dict[str, object]:
         "version": kafka_version(),
         "pid": pid,
         "log": str(_paths(cfg)["log"]),
+        "secure": cfg.secure,
     }
+    if cfg.secure:
+        report["security_protocol"] = "SASL_SSL"
+        report["tls_bootstrap"] = tls_bootstrap(cfg)
+    return report

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+
 from infra import kafka_broker, postgres
-from infra.common import InfraConfig
+from infra.common import InfraConfig, InfraError
 
 
 def up(cfg: InfraConfig) -> dict[str, dict[str, object]]:
@@ -26,11 +29,38 @@ def status(cfg: InfraConfig) -> dict[str, dict[str, object]]:
     return {"kafka": kafka_broker.status(cfg), "postgres": postgres.status(cfg)}
 
 
-def env_lines(cfg: InfraConfig) -> list[str]:
-    return [
-        f"export SLUICE_KAFKA_BOOTSTRAP={kafka_broker.bootstrap(cfg)}",
-        f"export SLUICE_DATABASE_URL='{postgres.url(cfg)}'",
-    ]
+def running_config(cfg: InfraConfig) -> InfraConfig:
+    """`cfg` in the mode (plain or secure) the local broker runs in, if it runs."""
+    secure = kafka_broker.status(cfg)["secure"]
+    return cfg if secure == cfg.secure else dataclasses.replace(cfg, secure=bool(secure))
+
+
+def env(cfg: InfraConfig, mtls: bool = False) -> dict[str, str]:
+    """The SLUICE_* settings of a client of the running local infrastructure."""
+    cfg = running_config(cfg)
+    if mtls and not cfg.secure:
+        raise InfraError("mutual TLS needs the secure local broker: `sluice infra up --secure`")
+    return {**kafka_broker.client_env(cfg, mtls), "SLUICE_DATABASE_URL": postgres.url(cfg)}
+
+
+# Every security setting `env` may print: those a mode does not use are unset, so
+# switching modes in one shell leaves nothing behind.
+SECURITY_VARS = (
+    "SLUICE_KAFKA__SECURITY_PROTOCOL", "SLUICE_KAFKA__SASL_MECHANISM",
+    "SLUICE_KAFKA__SASL_USERNAME", "SLUICE_KAFKA__SASL_PASSWORD_FILE",
+    "SLUICE_KAFKA__SSL_CAFILE", "SLUICE_KAFKA__SSL_CERTFILE", "SLUICE_KAFKA__SSL_KEYFILE",
+)
+
+
+def env_lines(cfg: InfraConfig, mtls: bool = False) -> list[str]:
+    settings = env(cfg, mtls)
+    lines = [f"unset {name}" for name in SECURITY_VARS if name not in settings]
+    for name, value in settings.items():
+        # URLs always quoted (a password may hold shell characters one day).
+        quoted = "'" + value.replace("'", "'\\''") + "'" if "://" in value \
+            else shlex.quote(value)
+        lines.append(f"export {name}={quoted}")
+    return lines
 
 
 def endpoints(cfg: InfraConfig) -> tuple[str, str]:

@@ -6,6 +6,11 @@ directory outside root's home (which that user cannot enter); otherwise it
 runs as the current user under the state directory. It listens on 127.0.0.1
 only, with password (SCRAM) authentication and a generated password.
 
+With `secure` (`sluice infra up --secure`) it accepts only TLS connections
+(`hostssl` rules; the server certificate from `infra.tls`, copied into the
+cluster directory for the server's user) and the URL asks for `verify-full`
+against the local CA. Plain and secure starts share the cluster and its data.
+
 The password is kept beside the cluster it opens (in the cluster directory), not
 in the state directory: as root the cluster lives outside the state directory
 and outlives it, and a fresh state directory at the same path (a clean checkout
@@ -15,6 +20,7 @@ new one through single-user mode, so its data is kept.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pwd
@@ -35,6 +41,7 @@ from infra.common import (
     stop_pid,
     tail,
 )
+from infra.tls import TlsFiles, ensure_tls
 
 DB_USER = "sluice"
 DB_NAME = "sluice"
@@ -96,6 +103,10 @@ def _paths(cfg: InfraConfig) -> dict[str, Path]:
         # Where the password was kept before it moved beside the cluster.
         "old_password": cfg.state_dir / "postgres.password",
         "link": cfg.state_dir / "postgres-cluster",
+        "tls_cert": root / "server.crt",
+        "tls_key": root / "server.key",
+        "hba_tls": root / "pg_hba_tls.conf",
+        "mode": root / "running-mode",
     }
 
 
@@ -137,7 +148,11 @@ def _password(cfg: InfraConfig) -> str:
 
 def url(cfg: InfraConfig) -> str:
     password = quote(_password(cfg), safe="")
-    return f"postgresql://{DB_USER}:{password}@127.0.0.1:{cfg.postgres_port}/{DB_NAME}"
+    base = f"postgresql://{DB_USER}:{password}@127.0.0.1:{cfg.postgres_port}/{DB_NAME}"
+    if not cfg.secure:
+        return base
+    ca = quote(str(TlsFiles(cfg.state_dir / "tls").ca_cert), safe="/")
+    return f"{base}?sslmode=verify-full&sslrootcert={ca}"
 
 
 def _initdb(cfg: InfraConfig, paths: dict[str, Path], user: pwd.struct_passwd | None) -> None:
@@ -206,11 +221,26 @@ def _ready(cfg: InfraConfig) -> bool:
     return result.returncode == 0
 
 
+def _running_mode(paths: dict[str, Path]) -> str:
+    try:
+        return paths["mode"].read_text().strip()
+    except OSError:
+        return "plain"
+
+
+def _mode(cfg: InfraConfig) -> str:
+    return "secure" if cfg.secure else "plain"
+
+
 def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
     paths = _paths(cfg)
     user = _run_as()
     pid = running_pid(cfg)
     if pid is not None and _ready(cfg):
+        if _running_mode(paths) != _mode(cfg):
+            raise InfraError(
+                f"the local PostgreSQL runs {_running_mode(paths)} on port {cfg.postgres_port}; "
+                f"stop it with `sluice infra down` before starting it {_mode(cfg)}")
         if not _wrong_password(_login(cfg)):
             return status(cfg)
         # Our own server, but its password is not the one we hold: stop it to set ours.
@@ -241,6 +271,27 @@ def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
     return status(cfg)
 
 
+def _tls_options(cfg: InfraConfig, paths: dict[str, Path],
+                 user: pwd.struct_passwd | None) -> list[str]:
+    """Server options for TLS-only connections: the certificate copied where the
+    server's user can read it (its key private to that user), and host rules that
+    refuse every connection without TLS."""
+    tls = ensure_tls(cfg.state_dir)
+    for source, target, mode in ((tls.server_cert, paths["tls_cert"], 0o644),
+                                 (tls.server_key, paths["tls_key"], 0o600),
+                                 (None, paths["hba_tls"], 0o644)):
+        data = source.read_bytes() if source is not None else (
+            b"local all all scram-sha-256\n"
+            b"hostssl all all 127.0.0.1/32 scram-sha-256\n"
+            b"hostnossl all all 0.0.0.0/0 reject\n")
+        target.write_bytes(data)
+        target.chmod(mode)
+        if user is not None:
+            os.chown(target, user.pw_uid, user.pw_gid)
+    return ["-c", "ssl=on", "-c", f"ssl_cert_file={paths['tls_cert']}",
+            "-c", f"ssl_key_file={paths['tls_key']}", "-c", f"hba_file={paths['hba_tls']}"]
+
+
 def _start(
     cfg: InfraConfig, paths: dict[str, Path], user: pwd.struct_passwd | None, wait_s: float
 ) -> None:
@@ -249,6 +300,9 @@ def _start(
         "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={paths['root']}",
         "-c", "max_connections=200", "-c", "fsync=on",
     ]
+    if cfg.secure:
+        cmd += _tls_options(cfg, paths, user)
+    paths["mode"].write_text(_mode(cfg) + "\n")
     with open(paths["log"], "ab") as log:
         if user is not None:
             os.chown(paths["log"], user.pw_uid, user.pw_gid)
@@ -317,7 +371,10 @@ def purge(cfg: InfraConfig) -> bool:
 
 
 def status(cfg: InfraConfig) -> dict[str, object]:
+    """The server's status, in the mode it runs in (else in `cfg`'s)."""
     pid = running_pid(cfg)
+    if pid is not None:
+        cfg = dataclasses.replace(cfg, secure=_running_mode(_paths(cfg)) == "secure")
     return {
         "up": pid is not None and _ready(cfg),
         "url": url(cfg),
@@ -325,4 +382,5 @@ def status(cfg: InfraConfig) -> dict[str, object]:
         "version": server_version(),
         "pid": pid,
         "log": str(_paths(cfg)["log"]),
+        "secure": cfg.secure,
     }

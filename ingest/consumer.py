@@ -36,7 +36,7 @@ from results.writer import ResultWriter
 from schemas import ErrorCode, InferenceRequest, SchemaError, decode
 from schemas.names import ID_PATTERN, is_valid_topic
 from sluice.settings import Settings
-from sluice.topics import is_internal_topic
+from sluice.topics import is_internal_topic, partitions_of
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,19 @@ class RequestIngest:
         self.num_misrouted = 0
 
     async def start(self) -> None:
+        """Connect; joining the group is `subscribe`'s (only when the worker serves)."""
         await self.consumer.start()
-        self.subscribe()
+        await self.check_access()
+
+    async def check_access(self) -> None:
+        """Raise TopicAuthorizationFailedError if this worker may not see its request
+        topic: subscribed without DESCRIBE, the client would only log it once and read
+        nothing, forever."""
+        await partitions_of(self.consumer, self.settings.requests_topic(self.model))
+
+    @property
+    def subscribed(self) -> bool:
+        return bool(self.consumer.subscription())
 
     def subscribe(self) -> None:
         self.consumer.subscribe([self.settings.requests_topic(self.model)],
@@ -313,5 +324,7 @@ class RequestIngest:
             self._known_topics = set(await self.consumer.topics())
             self._topics_checked = time.monotonic()
         if topic not in self._known_topics:
-            return f"reply_topic {topic!r} does not exist"
+            secured = self.settings.kafka.security_protocol != "PLAINTEXT"
+            return f"reply_topic {topic!r} does not exist" + (
+                " (or this worker may not DESCRIBE it)" if secured else "")
         return None

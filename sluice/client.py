@@ -35,6 +35,7 @@ from sluice.errors import (
     RequestTimeoutError,
     UnknownModelError,
 )
+from sluice.kafka_security import KafkaAccessError, connect, explain
 from sluice.replies import ReplyReader, hide_attempts
 from sluice.settings import Settings
 from sluice.timeouts import dependency_call
@@ -167,8 +168,7 @@ class Client:
                 **self.settings.producer_options(), enable_idempotence=True,
                 request_timeout_ms=int(self.settings.client.timeout_secs * 1000),
             )
-            await dependency_call("connecting to Kafka", producer.start(),
-                                  self.settings.client.timeout_secs)
+            await connect(producer.start(), self.settings, "the SDK's producer")
             self._producer = producer
         return self._producer
 
@@ -183,8 +183,7 @@ class Client:
                 reader = None
             if reader is None:
                 reader = ReplyReader(self.settings, topic)
-                await dependency_call(f"starting to read reply topic {topic}", reader.start(),
-                                      self.settings.client.timeout_secs)
+                await connect(reader.start(), self.settings, f"reading reply topic {topic}")
                 self._readers[topic] = reader
             return reader
 
@@ -196,12 +195,19 @@ class Client:
         if seen is not None and time.monotonic() - seen < TOPIC_KNOWN_FOR_S:
             return topic
         producer = await self._start_producer()
-        partitions = await dependency_call("looking up the model's request topic",
-                                           partitions_of(producer, topic),
-                                           self.settings.client.timeout_secs)
+        try:
+            partitions = await dependency_call("looking up the model's request topic",
+                                               partitions_of(producer, topic),
+                                               self.settings.client.timeout_secs)
+        except KafkaError as exc:
+            denied = explain(exc, self.settings.kafka, f"looking up model {model!r}")
+            if denied is None:
+                raise
+            raise KafkaAccessError(denied) from None
         if not partitions:
             self._topic_seen.pop(topic, None)
-            raise UnknownModelError(model, topic)
+            raise UnknownModelError(model, topic, secured=self.settings.kafka.security_protocol
+                                    != "PLAINTEXT")
         self._topic_seen[topic] = time.monotonic()
         return topic
 
@@ -239,7 +245,10 @@ class Client:
             try:
                 await self._producer.send_and_wait(
                     topic, encode(request), key=request.partition_key.encode(), headers=headers)
-            except KafkaError:
+            except KafkaError as exc:
+                denied = explain(exc, self.settings.kafka, f"sending to {topic}")
+                if denied is not None:
+                    raise KafkaAccessError(denied) from None
                 self._topic_seen.pop(topic, None)
                 await self.check_model(model)  # removed meanwhile: say so
                 raise

@@ -28,6 +28,7 @@ from sluice.errors import (
     LimitExceededError,
     NotFoundError,
 )
+from sluice.kafka_security import connect
 from sluice.settings import Settings
 from sluice.timeouts import dependency_call
 from sluice.topics import TopicAdmin, request_topic, shared_topics
@@ -85,7 +86,7 @@ class ControlPlane:
                 **settings.producer_options(), enable_idempotence=True,
                 request_timeout_ms=int(timeout * 1000),
             )
-            await dependency_call("connecting to Kafka", producer.start(), timeout)
+            await connect(producer.start(), settings, "the control plane's producer")
         except BaseException:
             await pool.close()
             raise

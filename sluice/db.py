@@ -8,9 +8,13 @@ cannot be parameters (the schema name) are validated by Settings' pattern.
 
 from __future__ import annotations
 
+import ssl
+from urllib.parse import urlsplit
+
 import asyncpg
 import orjson
 
+from sluice.errors import DatabaseAccessError, DependencyTimeoutError
 from sluice.settings import Settings
 from sluice.timeouts import dependency_call
 
@@ -80,15 +84,21 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 
 async def create_pool(settings: Settings, *, min_size: int = 1, max_size: int = 5) -> asyncpg.Pool:
     timeout = settings.client.timeout_secs
-    pool = await dependency_call(
-        "connecting to PostgreSQL",
-        asyncpg.create_pool(
-            settings.database_url, min_size=min_size, max_size=max_size,
-            command_timeout=timeout, timeout=timeout, init=_init_connection,
-            server_settings={"search_path": settings.db_schema, "application_name": "sluice"},
-        ),
-        timeout,
-    )
+    dsn = settings.database_dsn()
+    try:
+        pool = await dependency_call(
+            "connecting to PostgreSQL",
+            asyncpg.create_pool(
+                dsn, min_size=min_size, max_size=max_size,
+                command_timeout=timeout, timeout=timeout, init=_init_connection,
+                server_settings={"search_path": settings.db_schema, "application_name": "sluice"},
+            ),
+            timeout,
+        )
+    except DependencyTimeoutError:
+        raise
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise DatabaseAccessError(connection_problem(exc, dsn)) from None
     await dependency_call("migrating the database", migrate(pool, settings.db_schema), timeout)
     return pool
 
@@ -114,6 +124,34 @@ async def migrate(pool: asyncpg.Pool, schema: str) -> int:
                 f'INSERT INTO "{schema}".schema_migrations (version) VALUES ($1)', version
             )
         return len(MIGRATIONS)
+
+
+def connection_problem(exc: BaseException, dsn: str) -> str:
+    """Why PostgreSQL could not be used, in one line naming what to fix; never the
+    password (only host, port and user are named)."""
+    parts = urlsplit(dsn)
+    where = f"PostgreSQL at {parts.hostname}:{parts.port or 5432}"
+    user = parts.username or "(default user)"
+    ca_hint = "set sslrootcert= in SLUICE_DATABASE_URL or SLUICE_DATABASE__SSL_CAFILE"
+    if isinstance(exc, asyncpg.InvalidPasswordError):
+        return (f"{where} refused the password of user {user!r}: check the user and password "
+                "in SLUICE_DATABASE_URL")
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        if "no encryption" in str(exc):
+            return (f"{where} accepts only TLS connections: add ?sslmode=verify-full to "
+                    f"SLUICE_DATABASE_URL ({ca_hint})")
+        return f"{where} refused user {user!r}: {exc}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (f"{where} presented a certificate this client does not trust "
+                f"({exc.verify_message}): {ca_hint} to the CA that signed it")
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        return f"{where}: the TLS settings of SLUICE_DATABASE_URL are incomplete ({exc}); {ca_hint}"
+    if isinstance(exc, ConnectionError | TimeoutError) or (
+            isinstance(exc, OSError) and exc.errno is not None):
+        return (f"{where} cannot be reached ({exc.strerror or type(exc).__name__}): check "
+                "SLUICE_DATABASE_URL and that the server runs (`sluice infra up` for the local "
+                "one)")
+    return f"{where} could not be used: {type(exc).__name__}: {exc}"
 
 
 def notify_channel(schema: str) -> str:

@@ -44,7 +44,7 @@ class DeploymentWatcher:
         """Read the control topic up to its current end (no callbacks for that part)."""
         await self._consumer.start()
         topic = self.settings.topic("control")
-        partitions = await partitions_of(self._consumer, topic) or {0}
+        partitions = await self._control_partitions(topic)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_beginning(*tps)
@@ -63,6 +63,18 @@ class DeploymentWatcher:
 
     async def stop(self) -> None:
         await self._consumer.stop()
+
+    async def _control_partitions(self, topic: str, poll_s: float = 1.0) -> set[int]:
+        """The control topic's partitions, once it exists: the first control-plane
+        operation creates it, and a worker may start before that."""
+        partitions = await partitions_of(self._consumer, topic)
+        if not partitions:
+            log.warning("waiting for the control topic %s: the first control-plane operation "
+                        "(`sluice models register`) creates it", topic)
+        while not partitions:
+            await asyncio.sleep(poll_s)
+            partitions = await partitions_of(self._consumer, topic)
+        return partitions
 
     async def run(self) -> None:
         """Follow the control topic for as long as the worker runs."""

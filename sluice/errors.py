@@ -14,11 +14,14 @@ class NotFoundError(SluiceError):
 class UnknownModelError(NotFoundError):
     """The model is not registered: it has no request topic to send to."""
 
-    def __init__(self, model: str, topic: str):
+    def __init__(self, model: str, topic: str, secured: bool = False):
         self.model = model
+        unseen = (f"there is no request topic {topic!r}, or this client's principal may not "
+                  "DESCRIBE it (Kafka ACLs)") if secured else \
+            f"there is no request topic {topic!r}"
         super().__init__(
-            f"model {model!r} is not registered (there is no request topic {topic!r}); "
-            f"register it with `sluice models register --model {model} --path DIR` "
+            f"model {model!r} is not registered ({unseen}); register it with "
+            f"`sluice models register --model {model} --path DIR` "
             "(`sluice models list` shows the registered ones)"
         )
 
@@ -41,6 +44,10 @@ class LimitExceededError(SluiceError):
 
 class OperationTimeoutError(SluiceError, TimeoutError):
     """A control-plane operation ran past SLUICE_SERVER__TIMEOUT_SECONDS."""
+
+
+class DatabaseAccessError(SluiceError):
+    """PostgreSQL could not be reached, refused the login, or its TLS settings are wrong."""
 
 
 class DependencyTimeoutError(SluiceError, TimeoutError):

@@ -58,8 +58,10 @@ class ReplyReader:
         partitions = await partitions_of(self._consumer, self.topic)
         if not partitions:
             await self._consumer.stop()
-            raise NotFoundError(f"reply topic {self.topic!r} does not exist; create it first, "
-                                "or leave reply_topic out to use the shared results topic")
+            raise NotFoundError(
+                f"reply topic {self.topic!r} does not exist, or this client's principal may "
+                "not DESCRIBE it (Kafka ACLs); create it first, or leave reply_topic out to use "
+                "the shared results topic")
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_end(*tps)

@@ -3,14 +3,20 @@
 Environment variables (CONTRACT.md, "Settings") with CLI flags layered on top:
 `Settings.load(kafka_bootstrap=...)`. When the Kafka or database address is
 not set, the local infrastructure's addresses (`sluice infra up`) are used.
+
+`kafka_options()` is the one place Kafka client options are built (security
+included, see `sluice.kafka_security`); `database_dsn()` the one place the
+PostgreSQL address is. Secrets are never part of a settings object's repr.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.names import POOL_PATTERN
@@ -30,20 +36,65 @@ class ClientSettings(BaseModel):
 Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
 
 
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
+
+
 class KafkaSettings(BaseModel):
-    """Options every Kafka client sluice creates shares (`SLUICE_KAFKA__*`)."""
+    """Options every Kafka client sluice creates shares (`SLUICE_KAFKA__*`).
+
+    Secrets may come from files (`..._FILE`, e.g. a mounted Kubernetes Secret),
+    read whenever a client is made."""
 
     # Codec of the records sluice produces; any codec is read.
     compression: Compression = "none"
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_username_file: Path | None = None
+    sasl_password: SecretStr | None = None
+    sasl_password_file: Path | None = None
+    # OAUTHBEARER: "module:attribute", an aiokafka AbstractTokenProvider (class or
+    # factory) of yours; or a file holding the token, read again for every login
+    # (a projected service-account token, say).
+    sasl_oauth_token_provider: str | None = None
+    sasl_oauth_token_file: Path | None = None
+    # TLS: the CA that signed the brokers' certificates (default: the system's), and
+    # a client certificate and key for mutual TLS.
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_key_password: SecretStr | None = None
+    ssl_key_password_file: Path | None = None
+    ssl_check_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KafkaSettings:
+        from sluice.kafka_security import settings_problem
+
+        problem = settings_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+class DatabaseSettings(BaseModel):
+    """PostgreSQL beyond its URL (`SLUICE_DATABASE__*`). The URL's own `sslmode`
+    (require, verify-ca, verify-full) and `sslrootcert` are honoured."""
+
+    # The CA that signed the server's certificate; with it and no sslmode in the URL,
+    # connections use sslmode=verify-full.
+    ssl_cafile: Path | None = None
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="SLUICE_", env_nested_delimiter="__", extra="ignore", frozen=True
+        env_prefix="SLUICE_", env_nested_delimiter="__", extra="ignore", frozen=True,
+        env_ignore_empty=True,
     )
 
     kafka_bootstrap: str | None = None
-    database_url: str | None = None
+    database_url: str | None = Field(default=None, repr=False)  # may hold a password
     # The PostgreSQL schema holding sluice's tables (tests use one per test).
     db_schema: str = Field(default="sluice", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     # Partitions of a model's request topic when it is registered.
@@ -58,6 +109,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
 
     @field_validator("reply_topic_pattern")
     @classmethod
@@ -71,26 +123,47 @@ class Settings(BaseSettings):
 
     @classmethod
     def load(cls, **overrides: object) -> Settings:
-        """Environment + explicit overrides (None means "not given")."""
+        """Environment + explicit overrides (None means "not given"). Without a Kafka
+        or database address, the local infrastructure's are used — with its security
+        settings when it runs `--secure` (what `sluice infra env` prints)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         settings = cls(**given)
         if settings.kafka_bootstrap is None or settings.database_url is None:
             from infra.common import InfraConfig
-            from infra.local import endpoints
+            from infra.local import env
 
-            bootstrap, url = endpoints(InfraConfig.from_env())
-            settings = settings.model_copy(
-                update={
-                    "kafka_bootstrap": settings.kafka_bootstrap or bootstrap,
-                    "database_url": settings.database_url or url,
-                }
-            )
+            local = env(InfraConfig.from_env())
+            update: dict[str, Any] = {
+                "database_url": settings.database_url or local.pop("SLUICE_DATABASE_URL")}
+            if settings.kafka_bootstrap is None:
+                update["kafka_bootstrap"] = local.pop("SLUICE_KAFKA_BOOTSTRAP")
+                security = {name.removeprefix("SLUICE_KAFKA__").lower(): value
+                            for name, value in local.items()
+                            if name.startswith("SLUICE_KAFKA__")}
+                if security and settings.kafka.security_protocol == "PLAINTEXT":
+                    update["kafka"] = KafkaSettings(
+                        **{**settings.kafka.model_dump(exclude_defaults=True), **security})
+            settings = settings.model_copy(update=update)
         return settings
 
     def kafka_options(self) -> dict[str, Any]:
         """Connection options of every Kafka client sluice creates (consumers,
         producers, admin): the one place they are built."""
-        return {"bootstrap_servers": self.kafka_bootstrap}
+        from sluice.kafka_security import client_options
+
+        return {"bootstrap_servers": self.kafka_bootstrap, **client_options(self.kafka)}
+
+    def database_dsn(self) -> str:
+        """SLUICE_DATABASE_URL with SLUICE_DATABASE__SSL_CAFILE applied."""
+        url = str(self.database_url)
+        cafile = self.database.ssl_cafile
+        if cafile is None:
+            return url
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        query.setdefault("sslrootcert", str(cafile))
+        query.setdefault("sslmode", "verify-full")
+        return urlunsplit(parts._replace(query=urlencode(query)))
 
     def producer_options(self) -> dict[str, Any]:
         """`kafka_options` plus what every producer shares."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAuthorizationFailedError, UnknownTopicOrPartitionError, for_code
+from aiokafka.protocol.metadata import MetadataRequest
 
 from sluice.errors import InvalidConfigError
 from sluice.settings import Settings
@@ -69,8 +71,9 @@ class TopicAdmin:
         )
 
     async def __aenter__(self) -> TopicAdmin:
-        await dependency_call("connecting to the Kafka admin API", self._admin.start(),
-                              self._settings.client.timeout_secs)
+        from sluice.kafka_security import connect
+
+        await connect(self._admin.start(), self._settings, "the admin API")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -128,12 +131,30 @@ class TopicAdmin:
 
 
 async def partitions_of(client_of: object, topic: str) -> set[int]:
-    """The partitions of `topic`, fetched fresh from the broker (empty if it does not exist).
+    """The partitions of `topic`, asked of the broker now (empty if it does not exist).
 
-    `client_of`: an aiokafka consumer or producer. Their `partitions_for_topic`
-    only knows topics the client already follows; this asks the broker for full
-    metadata instead (raising `KafkaError` when no broker answers).
+    `client_of`: an aiokafka consumer or producer (their own `partitions_for_topic`
+    only knows topics they already follow). Asks for this one topic, never creating
+    it, so a principal that may not see it gets TopicAuthorizationFailedError rather
+    than an empty answer (Kafka answers so for a topic that does not exist either,
+    when the principal may not DESCRIBE it); KafkaError when no broker answers.
     """
     client = getattr(client_of, "client", None) or client_of._client  # type: ignore[attr-defined]
-    metadata = await client.fetch_all_metadata()
-    return set(metadata.partitions_for_topic(topic) or ())
+    node = client.get_random_node()
+    if node is None:
+        await client.bootstrap()
+        node = client.get_random_node()
+    response = await client.send(node, MetadataRequest(topics=[topic],
+                                                       allow_auto_topic_creation=False))
+    for error_code, name, *_, partitions in response.topics:
+        if name != topic:
+            continue
+        error = for_code(error_code)
+        if error is TopicAuthorizationFailedError:
+            raise TopicAuthorizationFailedError(topic)
+        if error is UnknownTopicOrPartitionError:
+            return set()
+        if error_code != 0 and not partitions:
+            raise error(topic)
+        return {partition[1] for partition in partitions}
+    return set()

@@ -29,6 +29,7 @@ from typing import Any
 
 import asyncpg
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaConnectionError
 
 from batcher import types as bt
 from batcher.config import BatcherConfig
@@ -47,12 +48,15 @@ from schemas import ErrorCode, ModelDeployment
 from sluice.capacity import heartbeat
 from sluice.db import create_pool
 from sluice.deployments import DeploymentWatcher
+from sluice.kafka_security import connect, explain
 from sluice.metrics import MetricsServer, WorkerMetrics
 from sluice.served_adapters import ServedAdapters
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# How often a worker checks that Kafka still lets it see its request topic.
+ACCESS_CHECK_EVERY_S = 30.0
 # Compute-config fields whose change needs the model reloaded.
 RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora_rank", "dtype")
 
@@ -117,8 +121,9 @@ class Worker:
         try:
             self._watch(checker.start(), "permission listener")
             self._spawn(self._heartbeat(pool), "heartbeat")
-            await self.writer.start()
-            await watcher.start(self._on_deployment)
+            await connect(self.writer.start(), self.settings, "the worker's producer")
+            await connect(watcher.start(self._on_deployment), self.settings,
+                          f"reading {self.settings.topic('control')}")
             self._spawn(watcher.run(), "deployment watcher")
             self.deployment = await self._until_stopped(
                 watcher.wait_for_deployment(self.options.wait_for_model_s))
@@ -127,7 +132,8 @@ class Worker:
             self._apply_placement(self.deployment)
             await self._load(self.deployment)
             self.ingest = self._make_ingest(checker)
-            await self.ingest.start()
+            await connect(self.ingest.start(), self.settings,
+                          f"reading {self.settings.requests_topic(self.model)}")
             self._spawn(self._consume(), "request consumer")
             self._spawn(self._pump_events(), "event pump")
             self._spawn(self._commit_loop(), "offset commits")
@@ -181,13 +187,14 @@ class Worker:
                                                 else "ended unexpectedly"), exc)
 
     def _fail(self, what: str, exc: BaseException | None) -> None:
+        why = ""
+        if exc is not None:
+            why = ": " + (explain(exc, self.settings.kafka) or f"{type(exc).__name__}: {exc}")
         log.error("%s%s; stopping the worker (exit code 3) so that its supervisor restarts "
-                  "it", what, f": {type(exc).__name__}: {exc}" if exc is not None else "",
-                  exc_info=exc)
+                  "it", what, why, exc_info=exc)
         self.metrics.set_ready(False)
         if self.fatal is None:
-            self.fatal = WorkerTaskFailed(
-                what + (f": {type(exc).__name__}: {exc}" if exc is not None else ""))
+            self.fatal = WorkerTaskFailed(what + why)
         self._stopping.set()
 
     async def _shutdown(self, watcher: DeploymentWatcher, checker: PermissionChecker,
@@ -347,8 +354,12 @@ class Worker:
             if self._reload.is_set():
                 await self._drain_and_reload()
             if not self._serving.is_set():
-                await self._leave_group()
+                # Never subscribed when the pool is not in the placement: joining and at
+                # once leaving races the client's group coordinator.
+                if self.ingest.subscribed:
+                    await self._leave_group()
                 await self._serving.wait()
+            if not self.ingest.subscribed:
                 self.ingest.subscribe()
             self._backpressure()
             # Paused partitions still heartbeat; polling serves rebalances and reads
@@ -484,12 +495,19 @@ class Worker:
             self.metrics.add_adapter_swaps(stats.num_adapter_loads)
 
     async def _gauges(self) -> None:
-        """Queue, KV and consumer-lag gauges, once a second."""
+        """Queue, KV and consumer-lag gauges, once a second; and now and then whether
+        Kafka still lets this worker see its request topic (an ACL revoked while it
+        runs would otherwise leave it reading nothing, silently)."""
+        checked = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
             engine, runtime, ingest = self.engine, self.runtime, self.ingest
             if engine is None or runtime is None or ingest is None:
                 continue
+            if time.monotonic() - checked > ACCESS_CHECK_EVERY_S:
+                checked = time.monotonic()
+                with contextlib.suppress(TimeoutError, KafkaConnectionError):
+                    await asyncio.wait_for(ingest.check_access(), 10)
             if self.adapters.has_retired:
                 await self.adapters.drop_retired(runtime, engine)
             self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)

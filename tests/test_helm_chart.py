@@ -122,6 +122,41 @@ def test_worker_command_env_probes_and_scrape(rendered: dict[str, list[Manifest]
         assert "replicas" not in dep["spec"]  # KEDA owns the replica count
 
 
+def test_kafka_and_database_security_come_from_secrets_as_files(
+    rendered: dict[str, list[Manifest]]
+) -> None:
+    """SASL_SSL settings reach the workers as the SLUICE_KAFKA__* environment, every
+    secret as a mounted file (never a value in the pod spec); PostgreSQL's CA too."""
+    from sluice.settings import KafkaSettings
+
+    for dep in workers(rendered["two-pools"]).values():
+        c = worker_container(dep)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        security = {k: v for k, v in env.items() if k.startswith("SLUICE_KAFKA__")}
+        assert security == {
+            "SLUICE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL",
+            "SLUICE_KAFKA__SASL_MECHANISM": "SCRAM-SHA-512",
+            "SLUICE_KAFKA__SASL_USERNAME": "sluice-worker",
+            "SLUICE_KAFKA__SASL_PASSWORD_FILE": "/etc/sluice/kafka/password",
+            "SLUICE_KAFKA__SSL_CAFILE": "/etc/sluice/kafka/ca.pem",
+        }
+        # The workers' own settings accept exactly these.
+        KafkaSettings(**{k.removeprefix("SLUICE_KAFKA__").lower(): v
+                         for k, v in security.items()})
+        assert env["SLUICE_DATABASE__SSL_CAFILE"] == "/etc/sluice/database/ca.pem"
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["kafka-secrets"] == "/etc/sluice/kafka"
+        volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+        sources = volumes["kafka-secrets"]["projected"]["sources"]
+        assert {"name": "sluice-kafka", "items": [
+            {"key": "password", "path": "password", "mode": 0o400}]} in [
+            src["secret"] for src in sources]
+    for dep in workers(rendered["default"]).values():
+        env = {e["name"]: e.get("value") for e in worker_container(dep)["env"]}
+        assert env["SLUICE_KAFKA__SECURITY_PROTOCOL"] == "PLAINTEXT"
+        assert "SLUICE_KAFKA__SASL_MECHANISM" not in env
+
+
 def test_gpu_resources_follow_tp(rendered: dict[str, list[Manifest]]) -> None:
     expected = {("pool-a", "llama-70b"): 4, ("pool-a", "llama-8b"): 1, ("pool-b", "llama-70b"): 8}
     for dep in workers(rendered["two-pools"]).values():

@@ -206,6 +206,12 @@ YAML
 refuse "is not StatefulSet or Deployment" <<'YAML'
 worker: {kind: DaemonSet}
 YAML
+refuse "needs kafka.security.saslMechanism" <<'YAML'
+kafka: {security: {protocol: SASL_SSL}}
+YAML
+refuse "needs kafka.security.passwordSecret" <<'YAML'
+kafka: {security: {protocol: SASL_SSL, saslMechanism: SCRAM-SHA-256, username: w}}
+YAML
 
 if [[ -n "$out" ]]; then
     mkdir -p "$out"

@@ -58,7 +58,7 @@ async def _drop(settings: Settings) -> None:
     import asyncpg
     from aiokafka.admin import AIOKafkaAdminClient
 
-    conn = await asyncpg.connect(settings.database_url)
+    conn = await asyncpg.connect(settings.database_dsn())
     try:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
     finally:

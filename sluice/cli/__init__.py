@@ -6,6 +6,8 @@ through `register(app)`; this module only wires them together.
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 from sluice.cli import (
@@ -34,4 +36,9 @@ for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, w
 
 
 def main() -> None:
+    # Commands report failures themselves, in one line; the Kafka client's own log lines
+    # (retries, "Unable connect to ...") would only repeat them. `sluice worker` sets up
+    # its JSON logs, aiokafka's warnings included.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     app()

@@ -13,7 +13,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(code)
 
 
@@ -30,7 +30,9 @@ def friendly_errors(func: F) -> F:
 
         try:
             return func(*args, **kwargs)
-        except (SluiceError, InfraError, ValidationError, FileNotFoundError) as exc:
+        except ValidationError as exc:
+            raise fail(_validation_line(exc)) from None
+        except (SluiceError, InfraError, FileNotFoundError) as exc:
             raise fail(str(exc)) from None
         except KafkaError as exc:
             raise fail(f"Kafka: {type(exc).__name__}: {exc}") from None
@@ -38,6 +40,16 @@ def friendly_errors(func: F) -> F:
             raise fail(f"could not reach a dependency: {exc or type(exc).__name__}") from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _validation_line(exc: Any) -> str:
+    """A pydantic ValidationError as one line: `where: what; ...`."""
+    problems = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"])
+        message = str(err["msg"]).removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" if where else message)
+    return f"invalid {exc.title}: " + "; ".join(problems)
 
 
 def parse_assignments(pairs: list[str]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
             from infra import local
 
             console.print("starting the local Kafka broker and PostgreSQL ...")
-            local.up(InfraConfig.from_env())
+            local.up(local.running_config(InfraConfig.from_env()))
         settings = Settings.load()
         uvloop.run(run_demo(settings, workdir or default_cache_dir() / "demo",
                             conversations=conversations, bulk_requests=bulk, console=console))

@@ -22,14 +22,17 @@ ControllerPort = Annotated[
     int | None, typer.Option("--kafka-controller-port", help="KRaft controller port.")
 ]
 PostgresPort = Annotated[int | None, typer.Option("--postgres-port", help="PostgreSQL port.")]
+TlsPort = Annotated[int | None, typer.Option(
+    "--kafka-tls-port", help="The secure broker's mutual-TLS listener port.")]
 
 
 def _config(
-    state_dir: Path | None, kafka_port: int | None, ctrl: int | None, pg_port: int | None
+    state_dir: Path | None, kafka_port: int | None, ctrl: int | None, pg_port: int | None,
+    tls_port: int | None = None, secure: bool | None = None,
 ) -> InfraConfig:
     return InfraConfig.from_env(
         state_dir=state_dir, kafka_port=kafka_port, kafka_controller_port=ctrl,
-        postgres_port=pg_port,
+        postgres_port=pg_port, kafka_tls_port=tls_port, secure=secure or None,
     )
 
 
@@ -39,12 +42,27 @@ def _fail(exc: InfraError) -> None:
 
 
 def _print_status(report: dict[str, dict[str, object]]) -> None:
-    table = Table("service", "up", "endpoint", "version", "pid")
+    table = Table("service", "up", "endpoint", "security", "version", "pid")
     for name, info in report.items():
-        endpoint = info.get("bootstrap") or info.get("url")
+        endpoint = info.get("bootstrap") or _hide_password(str(info.get("url")))
+        if info.get("tls_bootstrap"):
+            endpoint = f"{endpoint} (mTLS {info['tls_bootstrap']})"
         up = "[green]yes[/]" if info["up"] else "[red]no[/]"
-        table.add_row(name, up, str(endpoint), str(info["version"]), str(info["pid"] or "-"))
+        security = ("SASL_SSL, ACLs" if name == "kafka" else "TLS only") if info.get("secure") \
+            else "plaintext"
+        table.add_row(name, up, endpoint, security, str(info["version"]),
+                      str(info["pid"] or "-"))
     Console().print(table)
+
+
+def _hide_password(url: str) -> str:
+    """The URL as shown in a table: `sluice infra env` is where the password is."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
 
 
 def register(app: typer.Typer) -> None:
@@ -55,9 +73,15 @@ def register(app: typer.Typer) -> None:
     def up_cmd(
         state_dir: StateDir = None, kafka_port: KafkaPort = None,
         kafka_controller_port: ControllerPort = None, postgres_port: PostgresPort = None,
+        kafka_tls_port: TlsPort = None,
+        secure: Annotated[bool, typer.Option(
+            "--secure", help="Kafka with SASL_SSL (SCRAM, user admin) and mutual TLS, ACLs "
+            "enforced; PostgreSQL over TLS only (SLUICE_INFRA_SECURE=1). `sluice infra env` "
+            "prints the client settings.")] = False,
     ) -> None:
         """Start the local broker and database (a no-op for what already runs)."""
-        cfg = _config(state_dir, kafka_port, kafka_controller_port, postgres_port)
+        cfg = _config(state_dir, kafka_port, kafka_controller_port, postgres_port,
+                      kafka_tls_port, secure)
         started = time.monotonic()
         try:
             report = local.up(cfg)
@@ -101,8 +125,18 @@ def register(app: typer.Typer) -> None:
     def env_cmd(
         state_dir: StateDir = None, kafka_port: KafkaPort = None,
         kafka_controller_port: ControllerPort = None, postgres_port: PostgresPort = None,
+        kafka_tls_port: TlsPort = None,
+        mtls: Annotated[bool, typer.Option(
+            "--mtls", help="Secure broker: settings for its mutual-TLS listener (client "
+            "certificate) instead of SASL_SSL.")] = False,
     ) -> None:
-        """Print `export ...` lines for the local infrastructure (eval "$(sluice infra env)")."""
-        cfg = _config(state_dir, kafka_port, kafka_controller_port, postgres_port)
-        for line in local.env_lines(cfg):
+        """Print `export ...` lines for the local infrastructure (eval "$(sluice infra env)"),
+        security settings included when it runs --secure."""
+        cfg = _config(state_dir, kafka_port, kafka_controller_port, postgres_port,
+                      kafka_tls_port)
+        try:
+            lines = local.env_lines(cfg, mtls)
+        except InfraError as exc:
+            _fail(exc)
+        for line in lines:
             typer.echo(line)

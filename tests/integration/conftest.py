@@ -26,4 +26,5 @@ def settings(endpoints, unique_name: str, request_partitions: int) -> Settings:
     """Settings of one test: its own topic prefix and database schema."""
     return Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
                     database_url=endpoints.database_url, db_schema=unique_name,
-                    topic_prefix=unique_name, request_partitions=request_partitions)
+                    topic_prefix=unique_name, request_partitions=request_partitions,
+                    kafka=endpoints.kafka_settings())

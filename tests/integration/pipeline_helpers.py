@@ -39,15 +39,33 @@ class WorkerProcess:
             self.proc.wait(timeout=30)
 
 
+def kafka_env(settings: Settings) -> dict[str, str]:
+    """`settings.kafka` (security, compression) as SLUICE_KAFKA__* variables."""
+    from pydantic import SecretStr
+
+    out = {}
+    for name, value in settings.kafka:
+        if value is None or value == type(settings.kafka).model_fields[name].default:
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        out[f"SLUICE_KAFKA__{name.upper()}"] = str(value)
+    return out
+
+
 def settings_env(settings: Settings, pool: str = "default") -> dict[str, str]:
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_KAFKA__")}
     return {
-        **os.environ,
+        **inherited,
         "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
         "SLUICE_DATABASE_URL": str(settings.database_url),
         "SLUICE_DB_SCHEMA": settings.db_schema,
         "SLUICE_TOPIC_PREFIX": settings.topic_prefix,
         "SLUICE_POOL": pool,
         "SLUICE_METRICS_PORT": "0",  # several workers share this host
+        **kafka_env(settings),
     }
 
 

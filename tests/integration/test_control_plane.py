@@ -77,7 +77,7 @@ async def test_register_update_and_publish(settings, model_dir) -> None:
         await cp.close()
 
     # The request topic exists, with LogAppendTime and the configured partitions.
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**settings.kafka_options())
     await admin.start()
     try:
         described = await admin.describe_configs(
@@ -93,7 +93,7 @@ async def test_register_update_and_publish(settings, model_dir) -> None:
 
     # Every change was published on the control topic; the newest is the truth.
     consumer = AIOKafkaConsumer(settings.topic("control"), auto_offset_reset="earliest",
-                                bootstrap_servers=settings.kafka_bootstrap)
+                                **settings.kafka_options())
     await consumer.start()
     try:
         batch = await consumer.getmany(timeout_ms=5000)

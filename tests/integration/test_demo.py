@@ -11,11 +11,15 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_demo_runs_end_to_end(endpoints, unique_name, tmp_path) -> None:
+@pytest.mark.parametrize("broker", ["plaintext", "sasl_ssl"])
+def test_demo_runs_end_to_end(broker, request, unique_name, tmp_path) -> None:
+    """The demo's workload, on the plaintext broker and over SASL_SSL (SCRAM) to the
+    secure one with PostgreSQL over TLS — the settings `sluice infra env` prints."""
+    endpoints = request.getfixturevalue("endpoints" if broker == "plaintext"
+                                        else "secure_endpoints")
     env = {
         **os.environ,
-        "SLUICE_KAFKA_BOOTSTRAP": endpoints.kafka_bootstrap,
-        "SLUICE_DATABASE_URL": endpoints.database_url,
+        **endpoints.env(),
         "SLUICE_DB_SCHEMA": unique_name,
         "SLUICE_TOPIC_PREFIX": unique_name,
         "COLUMNS": "120",

@@ -72,7 +72,8 @@ def hostile_records(rnd: random.Random, key: str, n: int):
 async def test_ten_thousand_hostile_records(endpoints, unique_name, tmp_path) -> None:
     settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
                         database_url=endpoints.database_url, db_schema=unique_name,
-                        topic_prefix=unique_name, request_partitions=2)
+                        topic_prefix=unique_name, request_partitions=2,
+                        kafka=endpoints.kafka_settings())
     model_dir = make_tiny_model(tmp_path / "tiny")
     client = sluice.Client(settings)
     client.models.register(model="tiny", path=str(model_dir))
@@ -90,7 +91,7 @@ async def test_ten_thousand_hostile_records(endpoints, unique_name, tmp_path) ->
             warm = await client.complete(model="tiny", api_key=key, prompt="warm", max_tokens=2)
             assert warm.usage.completion_tokens >= 1
             rss_before = _rss_bytes(worker.proc.pid)
-            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap,
+            producer = AIOKafkaProducer(**settings.kafka_options(),
                                         max_request_size=16 * 1024 * 1024, linger_ms=5)
             await producer.start()
             try:
@@ -125,7 +126,7 @@ async def test_ten_thousand_hostile_records(endpoints, unique_name, tmp_path) ->
 
 async def _collect(settings: Settings, expected: int) -> tuple[list[dict], list[dict]]:
     consumer = AIOKafkaConsumer(settings.topic("deadletter"), settings.topic("results"),
-                                bootstrap_servers=settings.kafka_bootstrap,
+                                **settings.kafka_options(),
                                 auto_offset_reset="earliest", fetch_max_bytes=32 * 2**20)
     await consumer.start()
     dead: list[dict] = []

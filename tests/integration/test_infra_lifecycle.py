@@ -51,9 +51,13 @@ def test_up_twice_status_down_status(tmp_path: Path) -> None:
         cmdline = Path(f"/proc/{status['kafka']['pid']}/cmdline").read_bytes()
         assert b"kafka.Kafka" in cmdline and b"java" in cmdline
 
-        env_out = _sluice("infra", "env", env=env).stdout.splitlines()
-        assert env_out[0] == f"export SLUICE_KAFKA_BOOTSTRAP=127.0.0.1:{kafka_port}"
-        assert env_out[1].startswith("export SLUICE_DATABASE_URL='postgresql://")
+        lines = _sluice("infra", "env", env=env).stdout.splitlines()
+        exports = [line for line in lines if line.startswith("export ")]
+        assert exports[0] == f"export SLUICE_KAFKA_BOOTSTRAP=127.0.0.1:{kafka_port}"
+        assert exports[1].startswith("export SLUICE_DATABASE_URL='postgresql://")
+        # A plaintext broker: any security settings of a secure one are cleared.
+        assert "unset SLUICE_KAFKA__SECURITY_PROTOCOL" in lines
+        assert status["kafka"]["secure"] is False
     finally:
         down = _sluice("infra", "down", env=env)
     assert down.returncode == 0, down.stderr

@@ -22,7 +22,7 @@ async def _terminal_counts(settings: Settings, expected: int) -> dict[str, int]:
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(settings.topic("results"), auto_offset_reset="earliest",
-                                bootstrap_servers=settings.kafka_bootstrap)
+                                **settings.kafka_options())
     await consumer.start()
     counts: dict[str, int] = {}
     try:

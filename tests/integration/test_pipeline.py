@@ -31,7 +31,7 @@ def _setup(settings: Settings, model_dir: Path, **compute: object) -> tuple[slui
 
 async def _read_until(settings: Settings, topic: str, found, timeout_s: float = 30) -> list:
     """Records of `topic` from the start, until `found(records)` holds."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap,
+    consumer = AIOKafkaConsumer(topic, **settings.kafka_options(),
                                 auto_offset_reset="earliest")
     await consumer.start()
     out: list = []
@@ -130,7 +130,7 @@ async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) ->
 
             # Malformed bytes go to the dead-letter topic; fields that parse but are
             # wrong get an `invalid_request` event on the reply topic.
-            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+            producer = AIOKafkaProducer(**settings.kafka_options())
             await producer.start()
             await producer.send_and_wait(settings.requests_topic("tiny"), b"\xff\xfe not json")
             bad_fields = {"v": 1, "request_id": "typed-wrong", "model": "tiny",
@@ -174,7 +174,7 @@ async def test_a_terminal_the_reply_topic_refuses_dead_letters_the_request(
 
     client, key = _setup(settings, tiny_model)
     small = f"{settings.topic_prefix}.small-replies"
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**settings.kafka_options())
     await admin.start()
     try:
         await admin.create_topics([NewTopic(small, 1, 1,
@@ -219,9 +219,9 @@ async def test_a_reply_topic_deleted_mid_request_dead_letters_it(
     monkeypatch.setenv("SLUICE_CLIENT__TIMEOUT_SECS", "30")  # the worker's request timeout
     client, key = _setup(settings, tiny_model)
     doomed = f"{settings.topic_prefix}.doomed-replies"
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**settings.kafka_options())
     await admin.start()
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    producer = AIOKafkaProducer(**settings.kafka_options())
     await producer.start()
 
     async def orphan(request_id: str) -> None:

@@ -54,7 +54,7 @@ async def _raw_token_events(settings: Settings) -> list[dict]:
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(settings.topic("results"), auto_offset_reset="earliest",
-                                bootstrap_servers=settings.kafka_bootstrap)
+                                **settings.kafka_options())
     await consumer.start()
     out: list[dict] = []
     try:

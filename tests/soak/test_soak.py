@@ -38,7 +38,8 @@ async def test_steady_load_stays_flat(endpoints, unique_name, tmp_path) -> None:
     seconds = SOAK_SECONDS
     settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
                         database_url=endpoints.database_url, db_schema=unique_name,
-                        topic_prefix=unique_name, request_partitions=4)
+                        topic_prefix=unique_name, request_partitions=4,
+                        kafka=endpoints.kafka_settings())
     model_dir = make_tiny_model(tmp_path / "tiny")
     client = sluice.Client(settings)
     client.models.register(model="tiny", path=str(model_dir),

@@ -109,3 +109,99 @@ app.kubernetes.io/name: {{ include "sluice.name" .root }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{ include "sluice.workerLabels" . }}
 {{- end -}}
+
+{{/*
+Kafka security of every sluice client (SLUICE_KAFKA__*): env entries, and one
+projected volume with the secrets as files (never in the pod spec itself).
+*/}}
+{{- define "sluice.kafkaSecurityCheck" -}}
+{{- $s := .Values.kafka.security | default dict -}}
+{{- $protocol := $s.protocol | default "PLAINTEXT" -}}
+{{- if not (has $protocol (list "PLAINTEXT" "SSL" "SASL_PLAINTEXT" "SASL_SSL")) -}}
+{{- fail (printf "kafka.security.protocol %q is not PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL" $protocol) -}}
+{{- end -}}
+{{- $sasl := has $protocol (list "SASL_PLAINTEXT" "SASL_SSL") -}}
+{{- if and $sasl (not $s.saslMechanism) -}}
+{{- fail (printf "kafka.security.protocol %s needs kafka.security.saslMechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER)" $protocol) -}}
+{{- end -}}
+{{- if and $sasl (has $s.saslMechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512")) -}}
+{{- if not (or $s.username $s.usernameSecret) -}}
+{{- fail (printf "kafka.security.saslMechanism %s needs kafka.security.username (or usernameSecret)" $s.saslMechanism) -}}
+{{- end -}}
+{{- if not $s.passwordSecret -}}
+{{- fail (printf "kafka.security.saslMechanism %s needs kafka.security.passwordSecret ({name, key})" $s.saslMechanism) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $sasl (eq $s.saslMechanism "OAUTHBEARER") (not $s.oauthTokenSecret) -}}
+{{- fail "kafka.security.saslMechanism OAUTHBEARER needs kafka.security.oauthTokenSecret ({name, key})" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sluice.kafkaSecurityEnv" -}}
+{{- include "sluice.kafkaSecurityCheck" . -}}
+{{- $s := .Values.kafka.security | default dict -}}
+{{- $protocol := $s.protocol | default "PLAINTEXT" -}}
+{{- $dir := "/etc/sluice/kafka" -}}
+- name: SLUICE_KAFKA__SECURITY_PROTOCOL
+  value: {{ $protocol | quote }}
+{{- if has $protocol (list "SASL_PLAINTEXT" "SASL_SSL") }}
+- name: SLUICE_KAFKA__SASL_MECHANISM
+  value: {{ $s.saslMechanism | quote }}
+{{- if eq $s.saslMechanism "OAUTHBEARER" }}
+- name: SLUICE_KAFKA__SASL_OAUTH_TOKEN_FILE
+  value: {{ printf "%s/oauth-token" $dir | quote }}
+{{- else }}
+{{- if $s.usernameSecret }}
+- name: SLUICE_KAFKA__SASL_USERNAME_FILE
+  value: {{ printf "%s/username" $dir | quote }}
+{{- else }}
+- name: SLUICE_KAFKA__SASL_USERNAME
+  value: {{ $s.username | quote }}
+{{- end }}
+- name: SLUICE_KAFKA__SASL_PASSWORD_FILE
+  value: {{ printf "%s/password" $dir | quote }}
+{{- end }}
+{{- end }}
+{{- if has $protocol (list "SSL" "SASL_SSL") }}
+{{- if $s.caSecret }}
+- name: SLUICE_KAFKA__SSL_CAFILE
+  value: {{ printf "%s/ca.pem" $dir | quote }}
+{{- end }}
+{{- if $s.clientCertSecret }}
+- name: SLUICE_KAFKA__SSL_CERTFILE
+  value: {{ printf "%s/client.crt" $dir | quote }}
+- name: SLUICE_KAFKA__SSL_KEYFILE
+  value: {{ printf "%s/client.key" $dir | quote }}
+{{- end }}
+{{- if eq (toString $s.checkHostname) "false" }}
+- name: SLUICE_KAFKA__SSL_CHECK_HOSTNAME
+  value: "false"
+{{- end }}
+{{- end }}
+{{- with .Values.database.caSecret }}
+- name: SLUICE_DATABASE__SSL_CAFILE
+  value: "/etc/sluice/database/ca.pem"
+{{- end }}
+{{- end -}}
+
+{{/* The projected volume's sources (empty when no secret is named). */}}
+{{- define "sluice.kafkaSecretSources" -}}
+{{- $s := .Values.kafka.security | default dict -}}
+{{- $sources := list -}}
+{{- with $s.usernameSecret }}
+{{- $sources = append $sources (dict "secret" (dict "name" .name "items" (list (dict "key" (.key | default "username") "path" "username")))) -}}
+{{- end }}
+{{- with $s.passwordSecret }}
+{{- $sources = append $sources (dict "secret" (dict "name" .name "items" (list (dict "key" (.key | default "password") "path" "password" "mode" 256)))) -}}
+{{- end }}
+{{- with $s.oauthTokenSecret }}
+{{- $sources = append $sources (dict "secret" (dict "name" .name "items" (list (dict "key" (.key | default "token") "path" "oauth-token" "mode" 256)))) -}}
+{{- end }}
+{{- with $s.caSecret }}
+{{- $sources = append $sources (dict "secret" (dict "name" .name "items" (list (dict "key" (.key | default "ca.pem") "path" "ca.pem")))) -}}
+{{- end }}
+{{- with $s.clientCertSecret }}
+{{- $sources = append $sources (dict "secret" (dict "name" .name "items" (list (dict "key" (.certKey | default "tls.crt") "path" "client.crt") (dict "key" (.keyKey | default "tls.key") "path" "client.key" "mode" 256)))) -}}
+{{- end }}
+{{- dict "sources" $sources | toJson -}}
+{{- end -}}
