@@ -20,7 +20,7 @@ test:
 
 # Ten minutes of steady load through the real broker (not in `make test`).
 test-soak:
-	$(PY) -m pytest -q -s -m soak tests/soak
+	$(PY) -m pytest -q -s -m soak tests/integration
 
 test-fast:
 	$(PY) -m pytest -q -m 'not integration and not slow'

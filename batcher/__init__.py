@@ -1,7 +1,8 @@
 """batcher: the deadline-aware continuous batcher and the engine loop.
 
-Requests come in as plain `Request` dataclasses (from `ingest`), events go out
-as plain dataclasses (to `results`); nothing here knows Kafka or pydantic.
+Requests come in as plain `Request` dataclasses and events go out as plain
+dataclasses (the worker builds the one and routes the others); nothing here
+knows Kafka or pydantic.
 
 Public API::
 
@@ -10,18 +11,19 @@ Public API::
     engine = Engine(runtime, BatcherConfig(max_num_batched_tokens=512,
                                            max_adapters_per_step=4))
     await engine.start()                       # or `async with engine:`
-    engine.submit(Request(request_id, token_ids, SamplingParams(...), arrival_time,
+    engine.submit(Request(key, token_ids, SamplingParams(...), arrival_time,
                           max_ttft, adapter_key=None, attempt=0, origin=(p, offset)))
-    engine.cancel(request_id) -> bool
+    engine.cancel(key) -> bool
     event = await engine.next_event()          # or engine.events (asyncio.Queue)
     engine.is_full() -> bool                   # backpressure: pause partitions
     await engine.drain()                       # finish in-flight work, accept no more
     await engine.stop() -> list[Request]       # unfinished requests, no events sent
 
-Events (`batcher.types`), each with `request_id`, `attempt`, `origin`:
-`TokenEvent(seq, token_ids)`, `DoneEvent(finish_reason, token_ids, usage, timing)`,
-`ErrorEvent(code, message)`, `TimeoutEvent(waited_ms, max_ttft_ms, early)`,
-`CancelledEvent`. Every request gets exactly one terminal event.
+Events (`batcher.types`), each with `key`, `attempt`, `origin`:
+`Tokens(seq, token_ids)`, `Finished(finish_reason, token_ids, counts, latency)`,
+`Failed(code, message)` (a `schemas.ErrorCode`), `Expired(waited_ms, early)`,
+`Cancelled`. Every request gets exactly one terminal event; a request whose
+deadline has passed when it is submitted expires at once.
 
 Pure core (simulated clock, fake runtime): `Scheduler(runtime, config, clock=...,
 adapters=...)` with `submit`, `cancel`, `schedule() -> BatchPlan`,
@@ -37,23 +39,21 @@ from batcher.errors import (
     ConfigError,
     DuplicateRequestError,
     EngineClosedError,
-    InvalidRequestError,
 )
 from batcher.runtime_port import AdapterSlots, RuntimePort
 from batcher.scheduler import BatchPlan, Scheduler
 from batcher.types import (
-    CancelledEvent,
-    DoneEvent,
-    ErrorCode,
-    ErrorEvent,
+    Cancelled,
     Event,
+    Expired,
+    Failed,
+    Finished,
+    Latency,
     Request,
     RequestClass,
     SchedulerStats,
-    TimeoutEvent,
-    Timing,
-    TokenEvent,
-    Usage,
+    TokenCounts,
+    Tokens,
 )
 
 __all__ = [
@@ -61,24 +61,22 @@ __all__ = [
     "BatchPlan",
     "BatcherConfig",
     "BatcherError",
-    "CancelledEvent",
+    "Cancelled",
     "ConfigError",
-    "DoneEvent",
     "DuplicateRequestError",
     "Engine",
     "EngineClosedError",
-    "ErrorCode",
-    "ErrorEvent",
     "Event",
-    "InvalidRequestError",
+    "Expired",
+    "Failed",
+    "Finished",
+    "Latency",
     "OrderingPolicy",
     "Request",
     "RequestClass",
     "RuntimePort",
     "Scheduler",
     "SchedulerStats",
-    "TimeoutEvent",
-    "Timing",
-    "TokenEvent",
-    "Usage",
+    "TokenCounts",
+    "Tokens",
 ]

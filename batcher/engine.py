@@ -150,9 +150,9 @@ class Engine:
         self._idle.clear()
         self._wakeup.set()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, key: str) -> bool:
         """Cancel a request; it ends with one `cancelled` event unless it ended already."""
-        found = self.scheduler.cancel(request_id)
+        found = self.scheduler.cancel(key)
         self._wakeup.set()
         return found
 

@@ -13,14 +13,10 @@ class ConfigError(BatcherError):
     """A `BatcherConfig` value is out of range."""
 
 
-class InvalidRequestError(BatcherError):
-    """A submitted request is malformed (empty id, negative max_ttft, ...)."""
+class DuplicateRequestError(BatcherError):
+    """A request with this key is already in flight."""
 
     code = "invalid_request"
-
-
-class DuplicateRequestError(InvalidRequestError):
-    """A request with this id and attempt is already in flight."""
 
 
 class EngineClosedError(BatcherError):

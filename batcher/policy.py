@@ -55,7 +55,7 @@ def pick_victim(
 ) -> RequestState | None:
     """The request to preempt: last in order; `protected_id` only if it is the sole one."""
     pool = list(candidates)
-    others = [s for s in pool if s.request_id != protected_id]
+    others = [s for s in pool if s.key != protected_id]
     pool = others or pool
     if not pool:
         return None

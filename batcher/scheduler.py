@@ -38,7 +38,6 @@ out at once.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,9 +49,10 @@ from batcher.policy import order, order_key, pick_victim
 from batcher.runtime_port import AdapterSlots, RuntimePort
 from batcher.state import RequestState, RequestStatus
 from batcher.step_builder import StepBuilder
-from batcher.types import ErrorCode, Event, Request, RequestClass, SchedulerStats
+from batcher.types import Event, Request, RequestClass, SchedulerStats
 from gpu_runtime.errors import OutOfBlocksError
 from gpu_runtime.sequence import SeqOutput, StepOutput, StepPlan
+from schemas import ErrorCode
 
 _RATE_SMOOTHING = 0.3  # weight of the newest step in the prefill-speed average
 
@@ -119,38 +119,45 @@ class Scheduler:
         pending = [s.deadline for s in self._states.values() if not s.has_first_token]
         return min(pending, default=None)
 
-    def get_state(self, request_id: str) -> RequestState | None:
-        return self._states.get(request_id)
+    def get_state(self, key: str) -> RequestState | None:
+        return self._states.get(key)
 
     # ---- intake ----------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
         """Queue a request. Bad input ends it with an `error` event at the next step."""
-        if request.request_id in self._states:
-            raise DuplicateRequestError(f"request {request.request_id!r} is already in flight")
+        if request.key in self._states:
+            raise DuplicateRequestError(f"request {request.key!r} is already in flight")
         cls = request.request_class or (
             RequestClass.BULK
-            if request.max_ttft >= self.config.bulk_min_ttft
+            if request.ttft_allowance >= self.config.bulk_min_ttft
             else RequestClass.INTERACTIVE
         )
-        deadline = request.deadline if math.isfinite(request.max_ttft) else math.inf
-        state = RequestState(request, cls, deadline, self._num_submitted)
+        state = RequestState(request, cls, self._num_submitted)
         self._num_submitted += 1
+        now = self._clock()
+        if now >= state.deadline:
+            # Its first token is already late (it waited elsewhere, e.g. for the permission
+            # database): a timeout, whatever its content.
+            self._outbox.append(outcomes.finish(state, outcomes.timeout_event(state, now)))
+            self.stats.num_timeouts += 1
+            return
         problem = self._reject_reason(request)
         if problem is not None:
             code, message = problem
             self._outbox.append(outcomes.finish(state, outcomes.error_event(state, code, message)))
             self.stats.num_errors += 1
             return
-        self._states[request.request_id] = state
+        self._states[request.key] = state
 
     def _reject_reason(self, request: Request) -> tuple[str, str] | None:
-        if not request.request_id:
-            return ErrorCode.INVALID_REQUEST, "request_id is empty"
+        if not request.key:
+            return ErrorCode.INVALID_REQUEST, "key is empty"
         if not request.token_ids:
             return ErrorCode.INVALID_REQUEST, "the prompt is empty"
-        if not request.max_ttft > 0:
-            return ErrorCode.INVALID_REQUEST, f"max_ttft must be > 0, got {request.max_ttft}"
+        if not request.ttft_allowance > 0:
+            return ErrorCode.INVALID_REQUEST, (
+                f"the deadline must come after the arrival, got {request.ttft_allowance:g} s")
         bm = self._rt.block_manager
         capacity = bm.num_blocks * bm.block_size
         if len(request.token_ids) >= capacity:
@@ -159,9 +166,9 @@ class Scheduler:
             )
         return None
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, key: str) -> bool:
         """Cancel a request; its `cancelled` event comes with the next plan or update."""
-        state = self._states.get(request_id)
+        state = self._states.get(key)
         if state is None or state.cancel_requested:
             return False
         state.cancel_requested = True
@@ -186,7 +193,7 @@ class Scheduler:
         builder.make_room(waiting)
         events.extend(builder.build(waiting))
         for event in events:
-            self._forget(event.request_id)
+            self._forget(event.key)
         self._count_plan(builder)
         plan = self._isolate(builder.scheduled)
         return BatchPlan(
@@ -226,7 +233,7 @@ class Scheduler:
     def _apply_output(self, state: RequestState, out: SeqOutput, now: float) -> list[Event]:
         if state.cancel_requested or (not state.has_first_token and now > state.deadline):
             if not out.finished:  # the runtime already dropped finished sequences
-                self._rt.remove_sequence(state.request_id)
+                self._rt.remove_sequence(state.key)
             if state.cancel_requested:
                 self.stats.num_cancelled += 1
                 return [outcomes.finish(state, outcomes.cancelled_event(state))]
@@ -258,7 +265,7 @@ class Scheduler:
                 None,
             )
             if victim is not None:
-                self._rt.preempt(victim.request_id)
+                self._rt.preempt(victim.key)
                 victim.status = RequestStatus.PREEMPTED
                 self.stats.num_preemptions += 1
             return []
@@ -287,12 +294,12 @@ class Scheduler:
         for state in targets:
             if state.in_runtime:
                 with contextlib.suppress(Exception):  # the runtime may be the broken part
-                    self._rt.remove_sequence(state.request_id)
+                    self._rt.remove_sequence(state.key)
             events.append(
                 outcomes.finish(state, outcomes.error_event(state, ErrorCode.INTERNAL, message))
             )
             self.stats.num_errors += 1
-            self._forget(state.request_id)
+            self._forget(state.key)
         return events
 
     def abandon(self) -> list[Request]:
@@ -300,23 +307,23 @@ class Scheduler:
         dropped = []
         for state in list(self._states.values()):
             if state.in_runtime:
-                self._rt.remove_sequence(state.request_id)
+                self._rt.remove_sequence(state.key)
             dropped.append(state.request)
         self._states.clear()
         return dropped
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _forget(self, request_id: str) -> None:
-        state = self._states.get(request_id)
+    def _forget(self, key: str) -> None:
+        state = self._states.get(key)
         if state is not None and state.status is RequestStatus.FINISHED:
-            del self._states[request_id]
+            del self._states[key]
 
     def _end_cancelled(self, events: list[Event]) -> None:
         for state in list(self._states.values()):
             if state.cancel_requested:
                 if state.in_runtime:
-                    self._rt.remove_sequence(state.request_id)
+                    self._rt.remove_sequence(state.key)
                 events.append(outcomes.finish(state, outcomes.cancelled_event(state)))
                 self.stats.num_cancelled += 1
 
@@ -327,7 +334,7 @@ class Scheduler:
             early = not now >= state.deadline and self._misses_deadline(state, now)
             if now >= state.deadline or early:
                 if state.in_runtime:
-                    self._rt.remove_sequence(state.request_id)
+                    self._rt.remove_sequence(state.key)
                 events.append(
                     outcomes.finish(state, outcomes.timeout_event(state, now, early=early))
                 )

@@ -19,7 +19,6 @@ class RequestStatus(enum.Enum):
 class RequestState:
     request: Request
     request_class: RequestClass
-    deadline: float  # arrival + max_ttft, wall-clock seconds
     arrival_order: int  # submission counter: FCFS order and a stable tie-break
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # prompt + generated tokens in the KV cache
@@ -31,8 +30,13 @@ class RequestState:
     cancel_requested: bool = False
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def key(self) -> str:
+        return self.request.key
+
+    @property
+    def deadline(self) -> float:
+        """When the first token is due (wall-clock seconds); inf for no deadline."""
+        return self.request.deadline
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from batcher import outcomes
 from batcher.admission import AddResult, StepBudget
 from batcher.config import BatcherConfig
+from batcher.outcomes import error_code
 from batcher.policy import order_key, pick_victim
 from batcher.runtime_port import RuntimePort
 from batcher.state import RequestState, RequestStatus
-from batcher.types import ErrorCode, Event, SchedulerStats
+from batcher.types import Event, SchedulerStats
 
 
 class StepBuilder:
@@ -54,10 +55,10 @@ class StepBuilder:
     # ---- queries ---------------------------------------------------------------------
 
     def num_cached_tokens(self, state: RequestState) -> int:
-        cached = self._cached.get(state.request_id)
+        cached = self._cached.get(state.key)
         if cached is None:
             cached = self._rt.num_cached_tokens(state.all_token_ids, state.request.adapter_key)
-            self._cached[state.request_id] = cached
+            self._cached[state.key] = cached
         return cached
 
     def step_adapters(self) -> set[str]:
@@ -76,7 +77,7 @@ class StepBuilder:
     def _refresh_budget(self) -> None:
         """Admittable blocks = free blocks - blocks promised to running prompts."""
         running = self._live_running()
-        prompts = {s.request_id: s.num_uncomputed for s in running if not s.is_decoding}
+        prompts = {s.key: s.num_uncomputed for s in running if not s.is_decoding}
         prompts = {k: v for k, v in prompts.items() if v > 0}
         promised = self._rt.num_blocks_needed(prompts) if prompts else 0
         free = self._rt.block_manager.num_free_blocks - self._num_step_blocks
@@ -99,8 +100,8 @@ class StepBuilder:
             later = [
                 s for s in self._live_running() if order_key(s, policy) > order_key(head, policy)
             ]
-            protected_id = self._protected.request_id if self._protected else None
-            later = [s for s in later if s.request_id != protected_id]
+            protected_id = self._protected.key if self._protected else None
+            later = [s for s in later if s.key != protected_id]
             victim = pick_victim(later, policy, None)
             if victim is None:
                 return
@@ -113,10 +114,10 @@ class StepBuilder:
         for state in [s for s in self._running if s.is_decoding]:
             if self.budget.num_seqs_left < 1:
                 break
-            if state.status is RequestStatus.RUNNING and state.request_id not in self.scheduled:
+            if state.status is RequestStatus.RUNNING and state.key not in self.scheduled:
                 self._schedule_running(state, 1)
         bulk = self._protected
-        if bulk is not None and bulk.request_id not in self.scheduled:
+        if bulk is not None and bulk.key not in self.scheduled:
             reserve = self._config.num_bulk_reserved_tokens
             if bulk.status is RequestStatus.RUNNING:
                 self._schedule_running(bulk, min(bulk.num_uncomputed, reserve))
@@ -134,7 +135,7 @@ class StepBuilder:
         for state in merged:
             if self.budget.num_tokens_left < 1 or self.budget.num_seqs_left < 1:
                 return
-            if state.request_id in self.scheduled or state.request_id in self._preempted:
+            if state.key in self.scheduled or state.key in self._preempted:
                 continue
             if state.status is RequestStatus.RUNNING:
                 self._schedule_running(
@@ -148,16 +149,16 @@ class StepBuilder:
 
     def _top_up_bulk(self) -> None:
         bulk = self._protected
-        if bulk is None or bulk.request_id not in self.scheduled:
+        if bulk is None or bulk.key not in self.scheduled:
             return
-        n = self.scheduled[bulk.request_id]
+        n = self.scheduled[bulk.key]
         extra = min(bulk.num_uncomputed - n, self.budget.num_tokens_left)
         if extra < 1:
             return
-        more = self._rt.num_blocks_needed({bulk.request_id: n + extra})
-        more -= self._rt.num_blocks_needed({bulk.request_id: n})
+        more = self._rt.num_blocks_needed({bulk.key: n + extra})
+        more -= self._rt.num_blocks_needed({bulk.key: n})
         if more <= self._rt.block_manager.num_free_blocks - self._num_step_blocks:
-            self.scheduled[bulk.request_id] = n + extra
+            self.scheduled[bulk.key] = n + extra
             self.budget.num_tokens_left -= extra
             self._num_step_blocks += more
 
@@ -170,22 +171,22 @@ class StepBuilder:
         try:
             if state.status is RequestStatus.WAITING:
                 req = state.request
-                computed = self._rt.add_sequence(req.request_id, req.token_ids, req.params, key)
+                computed = self._rt.add_sequence(req.key, req.token_ids, req.params, key)
                 state.num_cached_prompt_tokens = computed
             else:
-                computed = self._rt.resume(state.request_id)
+                computed = self._rt.resume(state.key)
         except Exception as exc:  # a bad request must not take the step down
             if state.status is RequestStatus.PREEMPTED:
-                self._rt.remove_sequence(state.request_id)
-            code = getattr(exc, "code", ErrorCode.INTERNAL)
+                self._rt.remove_sequence(state.key)
+            code = error_code(exc)
             events.append(outcomes.finish(state, outcomes.error_event(state, code, str(exc))))
             self._stats.num_errors += 1
             return AddResult.OK
         if self._rt.block_manager.num_free_blocks < self._num_step_blocks:
             # Its cached prefix came out of the free blocks this step already counts on.
-            self._rt.preempt(state.request_id)
+            self._rt.preempt(state.key)
             state.status = RequestStatus.PREEMPTED
-            self._preempted.add(state.request_id)
+            self._preempted.add(state.key)
             return AddResult.NO_BLOCKS
         state.status = RequestStatus.RUNNING
         state.num_computed_tokens = computed
@@ -200,23 +201,23 @@ class StepBuilder:
         if n < 1:
             return False
         policy = self._config.ordering
-        protected_id = self._protected.request_id if self._protected else None
+        protected_id = self._protected.key if self._protected else None
         while True:
-            need = self._rt.num_blocks_needed({state.request_id: n})
+            need = self._rt.num_blocks_needed({state.key: n})
             if need <= self._rt.block_manager.num_free_blocks - self._num_step_blocks:
                 break
             if not allow_preempt:
                 return False
             victim = pick_victim(self._victims(state), policy, protected_id)
             outranks = victim is not None and (
-                state.request_id == protected_id
+                state.key == protected_id
                 or order_key(victim, policy) > order_key(state, policy)
             )
             self._preempt(victim if outranks else state)
             if not outranks:
                 return False
-        self.scheduled[state.request_id] = n
-        self._in_step[state.request_id] = state
+        self.scheduled[state.key] = n
+        self._in_step[state.key] = state
         self._num_step_blocks += need
         self.budget.take(n)
         if state.first_scheduled_time is None:
@@ -227,13 +228,13 @@ class StepBuilder:
         return (
             s
             for s in self._live_running()
-            if s.request_id not in self.scheduled and s.request_id != state.request_id
+            if s.key not in self.scheduled and s.key != state.key
         )
 
     def _preempt(self, state: RequestState) -> None:
-        self._rt.preempt(state.request_id)
+        self._rt.preempt(state.key)
         state.status = RequestStatus.PREEMPTED
         state.num_computed_tokens = 0
         state.num_preemptions += 1
-        self._preempted.add(state.request_id)
+        self._preempted.add(state.key)
         self._stats.num_preemptions += 1

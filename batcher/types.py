@@ -1,11 +1,12 @@
 """Plain data in and out of the batcher: the request handed in, the events handed out.
 
-`ingest` builds a `Request` from a decoded Kafka record; `results` turns each
-event into its wire message. Nothing here knows Kafka or pydantic: `origin` is
-an opaque object (partition + offset) the batcher passes back untouched.
+The worker builds a `Request` from an admitted record; it turns each event
+into its wire message. Nothing here knows Kafka or pydantic: `origin` is the
+caller's own record of the request, handed back untouched in every event.
 
 Times are wall-clock seconds (`time.time()` scale, like a broker timestamp);
-durations in events are milliseconds, as on the wire.
+durations in events are milliseconds, as on the wire. Error codes are the
+contract's (`schemas.ErrorCode`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_runtime.sequence import SamplingParams
+from schemas import ErrorCode
 
 
 class RequestClass(enum.Enum):
@@ -24,56 +26,52 @@ class RequestClass(enum.Enum):
     BULK = "bulk"
 
 
-class ErrorCode:
-    """Error codes of CONTRACT.md that the batcher itself emits."""
-
-    INVALID_REQUEST = "invalid_request"
-    CONTEXT_TOO_LONG = "context_too_long"
-    OVERLOADED = "overloaded"
-    INTERNAL = "internal"
-
-
 @dataclass(frozen=True, slots=True)
 class Request:
     """One inference request as the batcher sees it.
 
+    `key` is unique among the engine's requests (the caller chooses it).
     `arrival_time` is the broker timestamp, so queue time counts toward TTFT;
-    `max_ttft` is already the tighter of the request's and the model's.
-    `request_class=None` lets the scheduler classify by `max_ttft`.
+    `deadline` (when the first token is due) is already the tighter of the
+    request's and the model's. `request_class=None` lets the scheduler classify
+    by the time the request allows (`deadline - arrival_time`).
     """
 
-    request_id: str
+    key: str
     token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float
-    max_ttft: float
+    deadline: float
     adapter_key: str | None = None
     attempt: int = 0
     origin: Any = None
     request_class: RequestClass | None = None
 
     @property
-    def deadline(self) -> float:
-        return self.arrival_time + self.max_ttft
+    def ttft_allowance(self) -> float:
+        """Seconds from arrival to the deadline."""
+        return self.deadline - self.arrival_time
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class TokenCounts:
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
     num_completion_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
-class Timing:
+class Latency:
     queue_ms: float  # arrival -> first scheduled
     ttft_ms: float  # arrival -> first token sampled
     total_ms: float  # arrival -> done
 
 
 @dataclass(frozen=True, slots=True)
-class TokenEvent:
-    request_id: str
+class Tokens:
+    """Tokens a request just generated."""
+
+    key: str
     attempt: int
     origin: Any
     seq: int  # 0, 1, 2 ... per attempt
@@ -81,47 +79,50 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class DoneEvent:
-    request_id: str
+class Finished:
+    """A request generated its last token."""
+
+    key: str
     attempt: int
     origin: Any
     finish_reason: str  # "stop" | "length"
     token_ids: tuple[int, ...]  # every generated token
-    usage: Usage
-    timing: Timing
+    counts: TokenCounts
+    latency: Latency
     adapter_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class ErrorEvent:
-    request_id: str
+class Failed:
+    key: str
     attempt: int
     origin: Any
-    code: str
+    code: ErrorCode
     message: str
 
 
 @dataclass(frozen=True, slots=True)
-class TimeoutEvent:
-    request_id: str
+class Expired:
+    """No first token by the deadline (or none possible by then: `early`)."""
+
+    key: str
     attempt: int
     origin: Any
     waited_ms: float
-    max_ttft_ms: float
     early: bool = False  # predicted to miss its deadline, dropped before it passed
 
 
 @dataclass(frozen=True, slots=True)
-class CancelledEvent:
-    request_id: str
+class Cancelled:
+    key: str
     attempt: int
     origin: Any
     num_completion_tokens: int = 0
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent | TimeoutEvent | CancelledEvent
-TerminalEvent = DoneEvent | ErrorEvent | TimeoutEvent | CancelledEvent
-TERMINAL_EVENT_TYPES = (DoneEvent, ErrorEvent, TimeoutEvent, CancelledEvent)
+Event = Tokens | Finished | Failed | Expired | Cancelled
+TerminalEvent = Finished | Failed | Expired | Cancelled
+TERMINAL_EVENT_TYPES = (Finished, Failed, Expired, Cancelled)
 
 
 @dataclass(slots=True)

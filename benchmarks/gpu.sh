@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/gpu-$(date +%Y%m%d-%H%M%S).json}"
 shift || true
-exec "${PYTHON:-python}" -m sluice.bench.gpu --json "$out" "$@"
+exec "${PYTHON:-python}" -m benchmarks.gpu --json "$out" "$@"

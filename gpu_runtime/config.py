@@ -172,3 +172,23 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How a `Runtime` runs a model: device, memory, KV cache, LoRA slots, ranks."""
+
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's 16-bit dtype on CUDA
+    kv_cache_len: int = 32768  # tokens
+    block_size: int = 16
+    quantization: str = "none"  # "none" | "fp8"
+    max_model_len: int | None = None  # None: config.max_position_embeddings
+    memory_budget_bytes: int | None = None  # None: free device memory / available RAM
+    max_num_batched_tokens: int = 2048  # sizes the activation reserve only
+    max_num_seqs: int = 256
+    seed: int = 0  # of the shared generator used by unseeded requests
+    max_adapters: int = 4  # LoRA slots on the device; 0 disables LoRA (no layer swap)
+    max_lora_rank: int = 64  # slot capacity; adapters of higher rank are refused
+    tp: int = 1  # ranks (processes, GPUs) this replica is split over; see ranks.py
+    tp_timeout_s: float = 120.0  # a collective waiting longer on a hung rank: RankFailure

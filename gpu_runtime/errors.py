@@ -2,7 +2,7 @@
 
 Each error carries the wire error `code` (CONTRACT.md) that the batcher puts
 in the request's `error` event, so no caller has to map exception classes to
-codes. Errors about one request (`RequestError`) are raised when the request
+codes. Errors about one request (`SequenceError`) are raised when the request
 is added, before it can share a step with other requests.
 """
 
@@ -15,19 +15,19 @@ class RuntimeErrorBase(Exception):
     code: str = "internal"
 
 
-class RequestError(RuntimeErrorBase):
+class SequenceError(RuntimeErrorBase):
     """Something is wrong with one request; other requests are unaffected."""
 
     code = "invalid_request"
 
 
-class InvalidRequestError(RequestError):
+class InvalidSequenceError(SequenceError):
     """Bad sampling parameters, empty prompt, token ids outside the vocabulary."""
 
     code = "invalid_request"
 
 
-class ContextTooLongError(RequestError):
+class ContextTooLongError(SequenceError):
     """The prompt does not fit the model's context or the KV cache."""
 
     code = "context_too_long"
@@ -57,7 +57,7 @@ class OutOfBlocksError(SchedulingError):
     code = "overloaded"
 
 
-class AdapterError(RequestError):
+class AdapterError(SequenceError):
     """A LoRA adapter is missing, malformed, or does not fit the base model / the slots."""
 
     code = "invalid_request"

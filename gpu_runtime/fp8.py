@@ -7,7 +7,7 @@ Hopper) the matmul runs as `torch._scaled_mm` on FP8 inputs, the activations
 quantized per row on the fly; elsewhere the weight is dequantized to the
 activation dtype for each matmul (correct everywhere, saves memory, not time).
 
-Accuracy (tests/runtime/test_fp8.py): on random-weight tiny models the logits
+Accuracy (tests/parity/test_fp8.py): on random-weight tiny models the logits
 stay within 5% of the logits' own spread (max abs diff / std) and greedy
 tokens agree ≥ 90% with the float32 model.
 

@@ -48,22 +48,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpu_runtime.adapters import AdapterManager
-from gpu_runtime.config import ModelConfig
+from gpu_runtime.config import ModelConfig, RuntimeConfig
 from gpu_runtime.errors import ModelLoadError, RankFailure
 from gpu_runtime.loader import load_model
 from gpu_runtime.lora import apply_lora
 from gpu_runtime.parallel import ShardLayout, wrap_parallel_linears
 from gpu_runtime.runner import ModelRunner, ScheduledSeq
-
-if TYPE_CHECKING:
-    from gpu_runtime.runtime import RuntimeConfig
 
 CONTROL_TIMEOUT = timedelta(days=365)
 Command = tuple[Any, ...]

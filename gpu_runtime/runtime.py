@@ -13,19 +13,17 @@ lives here only, unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from gpu_runtime.block_manager import BlockManager, block_hash
-from gpu_runtime.config import ModelConfig, context_limit
+from gpu_runtime.block_manager import BlockManager
+from gpu_runtime.config import ModelConfig, RuntimeConfig, context_limit
 from gpu_runtime.errors import (
     AdapterError,
     ContextTooLongError,
-    InvalidRequestError,
+    InvalidSequenceError,
     ModelLoadError,
-    OutOfBlocksError,
     SchedulingError,
 )
 from gpu_runtime.loader import resolve_dtype
@@ -39,29 +37,11 @@ from gpu_runtime.sequence import (
     SamplingParams,
     SeqOutput,
     Sequence,
-    SequenceStatus,
     StepOutput,
     StepPlan,
 )
+from gpu_runtime.sequences import SequenceTable
 from gpu_runtime.stops import check_stop, load_tokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeConfig:
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, the checkpoint's 16-bit dtype on CUDA
-    kv_cache_len: int = 32768  # tokens
-    block_size: int = 16
-    quantization: str = "none"  # "none" | "fp8"
-    max_model_len: int | None = None  # None: config.max_position_embeddings
-    memory_budget_bytes: int | None = None  # None: free device memory / available RAM
-    max_num_batched_tokens: int = 2048  # sizes the activation reserve only
-    max_num_seqs: int = 256
-    seed: int = 0  # of the shared generator used by unseeded requests
-    max_adapters: int = 4  # LoRA slots on the device; 0 disables LoRA (no layer swap)
-    max_lora_rank: int = 64  # slot capacity; adapters of higher rank are refused
-    tp: int = 1  # ranks (processes, GPUs) this replica is split over; see ranks.py
-    tp_timeout_s: float = 120.0  # a collective waiting longer on a hung rank: RankFailure
 
 
 def _default_dtype(config: ModelConfig, device: torch.device) -> str:
@@ -108,10 +88,9 @@ class Runtime:
             self.close()
             raise
         self.runner = runner if self.ranks is None else TPRunner(runner, self.ranks, self.adapters)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.table = SequenceTable(BlockManager(num_blocks, config.block_size))
         self.tokenizer = load_tokenizer(model_path)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.sequences: dict[str, Sequence] = {}
 
     def close(self) -> None:
         """Stop the helper ranks (tp > 1); a no-op at tp=1. The runtime is unusable after."""
@@ -136,8 +115,16 @@ class Runtime:
         return self.runner.model
 
     @property
+    def sequences(self) -> dict[str, Sequence]:
+        return self.table.sequences
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.table.block_manager
+
+    @property
     def kv_capacity_tokens(self) -> int:
-        return self.block_manager.num_blocks * self.block_manager.block_size
+        return self.table.capacity_tokens
 
     @property
     def num_adapter_swaps(self) -> int:
@@ -149,20 +136,16 @@ class Runtime:
 
     def num_blocks_needed(self, num_scheduled_tokens: dict[str, int]) -> int:
         """New KV blocks a plan with these counts would take."""
-        bm = self.block_manager
-        return sum(
-            bm.num_blocks_needed(s.block_table, s.num_computed_tokens + n)
-            for s, n in ((self.sequences[i], n) for i, n in num_scheduled_tokens.items())
-        )
+        return self.table.num_blocks_needed(num_scheduled_tokens)
 
     def can_schedule(self, num_scheduled_tokens: dict[str, int]) -> bool:
-        return self.block_manager.can_allocate(self.num_blocks_needed(num_scheduled_tokens))
+        return self.table.can_schedule(num_scheduled_tokens)
 
     def get_sequence(self, seq_id: str) -> Sequence:
         return self.sequences[seq_id]
 
     def check_invariants(self) -> None:
-        self.block_manager.check_invariants([s.block_table for s in self.sequences.values()])
+        self.table.check_invariants()
 
     # ---- adapters ---------------------------------------------------------------------
 
@@ -194,7 +177,7 @@ class Runtime:
     ) -> int:
         """Validate and admit a request; returns its prompt tokens found in the cache.
 
-        Raises `InvalidRequestError` or `ContextTooLongError`; then nothing changed.
+        Raises `InvalidSequenceError` or `ContextTooLongError`; then nothing changed.
         """
         params = params or SamplingParams()
         prompt = self._validate(seq_id, prompt_token_ids, params, adapter_key)
@@ -203,22 +186,20 @@ class Runtime:
         seq = Sequence(seq_id, prompt, len(prompt), params, adapter_key, frozenset(stops))
         if params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
-        self.sequences[seq_id] = seq
-        seq.num_cached_prompt_tokens = self._take_cached_prefix(seq)
-        return seq.num_cached_prompt_tokens
+        return self.table.add(seq)
 
     def _validate(
         self, seq_id: str, token_ids: Seq[int], params: SamplingParams, adapter_key: str | None
     ) -> list[int]:
         if seq_id in self.sequences:
-            raise InvalidRequestError(f"sequence {seq_id!r} is already running")
+            raise InvalidSequenceError(f"sequence {seq_id!r} is already running")
         prompt = [int(t) for t in token_ids]
         if not prompt:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidSequenceError("the prompt is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise InvalidSequenceError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         limit = min(self.max_model_len, self.kv_capacity_tokens)
         if len(prompt) >= limit:
             raise ContextTooLongError(
@@ -226,72 +207,37 @@ class Runtime:
                 f"(max_model_len={self.max_model_len}, kv_cache_len={self.kv_capacity_tokens})"
             )
         if params.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
+            raise InvalidSequenceError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise InvalidRequestError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+            raise InvalidSequenceError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         if adapter_key is not None and adapter_key not in self.adapters.adapters:
-            raise InvalidRequestError(f"adapter {adapter_key!r} is not registered")
+            raise InvalidSequenceError(f"adapter {adapter_key!r} is not registered")
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a model with tokenizer.json")
+            raise InvalidSequenceError("stop strings need a model with tokenizer.json")
         if any(not 0 <= t < vocab for t in params.stop_token_ids or ()):
-            raise InvalidRequestError("stop_token_ids outside the vocabulary")
+            raise InvalidSequenceError("stop_token_ids outside the vocabulary")
         return prompt
-
-    def _take_cached_prefix(self, seq: Sequence) -> int:
-        bm = self.block_manager
-        seq.block_table = bm.allocate_prefix(seq.token_ids, seq.adapter_key)
-        seq.num_computed_tokens = len(seq.block_table) * bm.block_size
-        seq.block_hashes = bm.prefix_hashes(
-            seq.token_ids[: seq.num_computed_tokens], seq.adapter_key
-        )
-        return seq.num_computed_tokens
 
     def remove_sequence(self, seq_id: str) -> bool:
         """Drop a sequence (cancelled, timed out); its full blocks stay cached."""
-        seq = self.sequences.pop(seq_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq.block_table)
-        return True
+        return self.table.remove(seq_id)
 
     def preempt(self, seq_id: str) -> None:
         """Free a sequence's blocks but keep its state; `resume` it later."""
-        seq = self.sequences[seq_id]
-        self.block_manager.free(seq.block_table)
-        seq.block_table, seq.block_hashes = [], []
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.PREEMPTED
+        self.table.preempt(seq_id)
 
     def resume(self, seq_id: str) -> int:
         """Re-admit a preempted sequence; returns its tokens found in the cache."""
-        seq = self.sequences[seq_id]
-        if seq.status is not SequenceStatus.PREEMPTED:
-            raise SchedulingError(f"sequence {seq_id!r} is not preempted")
-        seq.status = SequenceStatus.RUNNING
-        return self._take_cached_prefix(seq)
+        return self.table.resume(seq_id)
 
     # ---- the step ---------------------------------------------------------------------
 
     def _check_plan(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
-        work = []
-        for seq_id, n in plan.num_scheduled_tokens.items():
-            seq = self.sequences.get(seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                raise SchedulingError(f"sequence {seq_id!r} is not running")
-            if not 1 <= n <= seq.num_uncomputed:
-                raise SchedulingError(
-                    f"{seq_id!r}: {n} tokens scheduled, {seq.num_uncomputed} left"
-                )
-            work.append((seq, n))
+        work = self.table.check_plan(plan)
         num_adapters = len({s.adapter_key for s, _ in work} - {None})
         if num_adapters > self.adapters.num_slots:
             raise SchedulingError(
                 f"plan uses {num_adapters} adapters; there are {self.adapters.num_slots} slots"
-            )
-        needed = self.num_blocks_needed(plan.num_scheduled_tokens)
-        if not self.block_manager.can_allocate(needed):
-            raise OutOfBlocksError(
-                f"plan needs {needed} blocks, {self.block_manager.num_free_blocks} free"
             )
         return work
 
@@ -299,22 +245,20 @@ class Runtime:
         work = self._check_plan(plan)
         if not work:
             return StepOutput([], {})
-        bm = self.block_manager
         slots = self.adapters.ensure_resident({s.adapter_key for s, _ in work} - {None})
         slots[None] = -1
         # Decodes first, sorted by adapter slot: same-adapter rows form one LoRA segment.
         work.sort(key=lambda w: (w[1] != 1, slots[w[0].adapter_key] if w[1] == 1 else 0))
         scheduled = []
         for seq, n in work:
-            bm.append(seq.block_table, seq.num_computed_tokens + n)
+            self.table.reserve(seq, n)
             start = seq.num_computed_tokens
             tokens = seq.token_ids[start : start + n]
             scheduled.append(ScheduledSeq(tokens, start, seq.block_table, slots[seq.adapter_key]))
         to_sample = [i for i, (seq, n) in enumerate(work) if n == seq.num_uncomputed]
         logits = self.runner.forward(scheduled, to_sample)  # [len(to_sample), vocab]
         for seq, n in work:
-            seq.num_computed_tokens += n
-            self._cache_full_blocks(seq)
+            self.table.computed(seq, n)
         computed = {seq.seq_id: seq.num_computed_tokens for seq, _ in work}
         sampled_seqs = [work[i][0] for i in to_sample]
         outputs = self._sample_and_finish(sampled_seqs, logits)
@@ -322,15 +266,6 @@ class Runtime:
         if plan.return_logits:
             kept = {s.seq_id: logits[i] for i, s in enumerate(sampled_seqs)}
         return StepOutput(outputs, computed, kept)
-
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        bm, bs = self.block_manager, self.block_manager.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens, seq.adapter_key)
-            bm.cache_block(seq.block_table[i], h, tokens)
-            seq.block_hashes.append(h)
 
     def _sample_and_finish(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SeqOutput]:
         if not seqs:

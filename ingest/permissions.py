@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from sluice import keys as api_keys
-from sluice.db import notify_channel
+from schemas import keys as api_keys
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class _Entry:
 @dataclass(slots=True)
 class PermissionChecker:
     pool: asyncpg.Pool
-    schema: str
+    channel: str  # where grant and revocation changes are announced (LISTEN/NOTIFY)
     ttl_s: float = 30.0
     call_timeout_s: float = 60.0
     _cache: dict[bytes, _Entry] = field(default_factory=dict)
@@ -138,7 +137,7 @@ class PermissionChecker:
             del self._cache[digest]
 
     async def _keep_listening(self) -> None:
-        channel = notify_channel(self.schema)
+        channel = self.channel
         while not self._closed:
             try:
                 conn = await self.pool.acquire()

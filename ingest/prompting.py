@@ -22,7 +22,8 @@ class PromptError(ValueError):
     """The request's prompt cannot be turned into token ids for this model."""
 
 
-def _frame(role: str, content: str) -> str:
+def frame_message(role: str, content: str) -> str:
+    """One chat message as a model without a chat template sees it."""
     return f"<|{role}|>\n{content}\n"
 
 
@@ -63,7 +64,7 @@ class PromptBuilder:
             return self.text_ids(request.prompt)
         ids = [self.bos_token_id] if self.bos_token_id is not None else []
         for message in request.messages or []:
-            ids += self._encode(_frame(message.role, message.content))
+            ids += self._encode(frame_message(message.role, message.content))
         return ids + self._encode(ASSISTANT_PREFIX)
 
     def text_ids(self, text: str) -> list[int]:
@@ -77,42 +78,3 @@ class PromptBuilder:
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids  # type: ignore[union-attr]
-
-
-@dataclass(slots=True)
-class IncrementalDecoder:
-    """Turns a growing list of generated ids into text deltas.
-
-    Text that ends in an incomplete UTF-8 sequence (shown as U+FFFD) is held
-    back until the next token completes it; `flush` hands out whatever is left
-    at the end, so the deltas always add up to the whole text.
-    """
-
-    tokenizer: Tokenizer | None
-    ids: list[int]
-    emitted: str = ""  # the text handed out so far, delta by delta
-
-    def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
-        self.ids.extend(new_ids)
-        if self.tokenizer is None:
-            return ""
-        text = self.text()
-        if text.endswith("\ufffd"):
-            return ""
-        return self._delta(text)
-
-    def flush(self) -> str:
-        """The text not handed out yet (a held-back tail included): the last delta."""
-        if self.tokenizer is None:
-            return ""
-        return self._delta(self.text())
-
-    def _delta(self, text: str) -> str:
-        delta = text[len(self.emitted):]
-        self.emitted += delta
-        return delta
-
-    def text(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)

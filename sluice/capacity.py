@@ -1,15 +1,14 @@
 """Will a compute config fit? The planner's answer for every live worker of a placement.
 
-Workers record their device and usable memory in PostgreSQL (a heartbeat);
-before the control plane stores a change it plans the model's memory for each
-live worker of the placement's pools and refuses the change, with the
-planner's message, if any of them could not load it. Workers that have not
-been seen for `LIVE_WINDOW_S` do not count.
+Workers record their device and usable memory in PostgreSQL (a heartbeat,
+`worker.heartbeat`); before the control plane stores a change it plans the
+model's memory for each live worker of the placement's pools and refuses the
+change, with the planner's message, if any of them could not load it. Workers
+that have not been seen for `LIVE_WINDOW_S` do not count.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,29 +34,6 @@ class WorkerInfo:
     started_at: datetime
     last_seen: datetime
     live: bool
-
-
-async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: str, pool: str,
-                        device: str, device_memory_bytes: int) -> None:
-    await conn.execute(
-        "INSERT INTO workers (instance_id, model, pool, device, device_memory_bytes) "
-        "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (instance_id) DO UPDATE SET "
-        "model = $2, pool = $3, device = $4, device_memory_bytes = $5, last_seen = now()",
-        instance_id, model, pool, device, device_memory_bytes,
-    )
-
-
-async def heartbeat(pool: asyncpg.Pool, *, instance_id: str, model: str, pool_name: str,
-                    device: str, device_memory_bytes: int, every_s: float = 5.0) -> None:
-    """Record this worker every few seconds, for as long as it runs."""
-    while True:
-        try:
-            async with pool.acquire() as conn:
-                await record_worker(conn, instance_id=instance_id, model=model, pool=pool_name,
-                                    device=device, device_memory_bytes=device_memory_bytes)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            log.warning("heartbeat to PostgreSQL failed: %s", exc)
-        await asyncio.sleep(every_s)
 
 
 async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> None:

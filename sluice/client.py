@@ -27,6 +27,12 @@ import pydantic
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from common.errors import KafkaAccessError
+from common.kafka_connect import connect
+from common.kafka_security import explain
+from common.settings import Settings
+from common.timeouts import dependency_call
+from common.topics import partitions_of
 from schemas import DoneEvent, ErrorEvent, InferenceRequest, ReplyEvent, TimeoutEvent, encode
 from sluice.control_plane import ControlPlane
 from sluice.errors import (
@@ -35,11 +41,7 @@ from sluice.errors import (
     RequestTimeoutError,
     UnknownModelError,
 )
-from sluice.kafka_security import KafkaAccessError, connect, explain
 from sluice.replies import ReplyReader, hide_attempts
-from sluice.settings import Settings
-from sluice.timeouts import dependency_call
-from sluice.topics import partitions_of
 
 # A model's request topic, once seen, is trusted this long before it is looked up again.
 TOPIC_KNOWN_FOR_S = 60.0
@@ -146,7 +148,7 @@ class Client:
     # -- control plane ------------------------------------------------------------------
 
     def _control_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from sluice.timeouts import operation
+        from common.timeouts import operation
 
         with self._lock:
             if self._loop_thread is None:

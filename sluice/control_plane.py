@@ -17,21 +17,21 @@ import asyncpg
 import pydantic
 from aiokafka import AIOKafkaProducer
 
+from common.db import create_pool, notify_channel
+from common.kafka_connect import connect
+from common.settings import Settings
+from common.timeouts import dependency_call
+from common.topics import TopicAdmin, request_topic, shared_topics
 from schemas import AdapterSpec, ComputeConfig, ModelDeployment, Placement, encode
+from schemas import keys as api_keys
 from schemas.names import NameError_, check_name, is_valid_topic
-from sluice import keys as api_keys
 from sluice.capacity import LIVE_WINDOW_S, WorkerInfo, check_fits
-from sluice.db import create_pool, notify_channel
 from sluice.errors import (
     ConflictError,
     InvalidConfigError,
     LimitExceededError,
     NotFoundError,
 )
-from sluice.kafka_security import connect
-from sluice.settings import Settings
-from sluice.timeouts import dependency_call
-from sluice.topics import TopicAdmin, request_topic, shared_topics
 
 # Checks a deployment before it is stored (e.g. "does it fit in memory");
 # raises InvalidConfigError with the reason. Set by whoever knows the devices.

@@ -2,7 +2,7 @@
 
 Starts the local Kafka broker and PostgreSQL when none is configured, makes
 a tiny model and teaches it (and three LoRA adapters of it, each a voice of
-its own) a short chat (`gpu_runtime.tiny_train`; first run only, seconds),
+its own) a short chat (`sluice.tiny_train`; first run only, seconds),
 registers them, creates an API key, runs a worker in this process, then drives
 a multi-turn, multi-adapter chat workload plus a small bulk job through Kafka,
 streaming one conversation to the terminal, and prints every conversation's
@@ -23,13 +23,13 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from gpu_runtime.tiny_train import QUESTIONS, SYSTEM
+from common.settings import Settings
 from schemas import DoneEvent, TimeoutEvent, TokenEvent
 from sluice.batch import run_batch
 from sluice.client import Client
 from sluice.errors import ConflictError
-from sluice.settings import Settings
-from sluice.worker import Worker, WorkerOptions
+from sluice.tiny_train import QUESTIONS, SYSTEM
+from worker.worker import Worker, WorkerOptions
 
 MODEL = "demo"
 
@@ -47,7 +47,7 @@ class DemoStats:
 def _make_model(workdir: Path, console: Console) -> tuple[Path, list[Path]]:
     """The tiny model taught its lines, and one trained adapter per voice."""
     from gpu_runtime.tiny import make_tiny_model
-    from gpu_runtime.tiny_train import VOICES, train_tiny_adapter, train_tiny_model
+    from sluice.tiny_train import VOICES, train_tiny_adapter, train_tiny_model
 
     model_dir = workdir / "tiny"
     adapter_root = workdir / "voices"

@@ -1,14 +1,39 @@
-"""Errors of the SDK and control plane. Each says what failed and what to do."""
+"""Errors of the SDK and control plane. Each says what failed and what to do.
+
+The errors of the shared parts (settings, Kafka, PostgreSQL, timeouts) are
+defined in `common.errors` and offered here too, so users import every
+sluice error from one place.
+"""
 
 from __future__ import annotations
 
+from common.errors import (
+    ConflictError,
+    DatabaseAccessError,
+    DependencyTimeoutError,
+    InvalidConfigError,
+    KafkaAccessError,
+    LimitExceededError,
+    NotFoundError,
+    OperationTimeoutError,
+    SluiceError,
+)
 
-class SluiceError(Exception):
-    """Base class of every error sluice's public face raises."""
-
-
-class NotFoundError(SluiceError):
-    pass
+__all__ = [
+    "ConflictError",
+    "DatabaseAccessError",
+    "DependencyTimeoutError",
+    "InvalidConfigError",
+    "InvalidRequestError",
+    "KafkaAccessError",
+    "LimitExceededError",
+    "NotFoundError",
+    "OperationTimeoutError",
+    "RequestError",
+    "RequestTimeoutError",
+    "SluiceError",
+    "UnknownModelError",
+]
 
 
 class UnknownModelError(NotFoundError):
@@ -28,30 +53,6 @@ class UnknownModelError(NotFoundError):
 
 class InvalidRequestError(SluiceError, ValueError):
     """A request the SDK refuses to send: a field is missing, mistyped or out of range."""
-
-
-class ConflictError(SluiceError):
-    pass
-
-
-class InvalidConfigError(SluiceError):
-    pass
-
-
-class LimitExceededError(SluiceError):
-    pass
-
-
-class OperationTimeoutError(SluiceError, TimeoutError):
-    """A control-plane operation ran past SLUICE_SERVER__TIMEOUT_SECONDS."""
-
-
-class DatabaseAccessError(SluiceError):
-    """PostgreSQL could not be reached, refused the login, or its TLS settings are wrong."""
-
-
-class DependencyTimeoutError(SluiceError, TimeoutError):
-    """A call to PostgreSQL or the Kafka admin API ran past SLUICE_CLIENT__TIMEOUT_SECS."""
 
 
 class RequestError(SluiceError):

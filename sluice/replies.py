@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from ingest.safe_fetch import SafeFetcher
+from common.safe_fetch import SafeFetcher
+from common.settings import Settings
+from common.topics import partitions_of
 from schemas import REPLY_EVENT_ADAPTER, TERMINAL_TYPES, ReplyEvent, TokenEvent
 from sluice.errors import NotFoundError, SluiceError
-from sluice.settings import Settings
-from sluice.topics import partitions_of
 
 log = logging.getLogger(__name__)
 

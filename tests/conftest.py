@@ -36,7 +36,7 @@ class Endpoints:
                 "SLUICE_DATABASE_URL": self.database_url, **self.kafka_env}
 
     def kafka_settings(self) -> Any:
-        from sluice.settings import KafkaSettings
+        from common.settings import KafkaSettings
 
         prefix = "SLUICE_KAFKA__"
         return KafkaSettings(**{name.removeprefix(prefix).lower(): value

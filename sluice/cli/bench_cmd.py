@@ -1,4 +1,4 @@
-"""`sluice bench SCENARIO`: the benchmark harness (see sluice/bench and benchmarks/README.md)."""
+"""`sluice bench SCENARIO`: the benchmark harness (see benchmarks/)."""
 
 from __future__ import annotations
 
@@ -39,15 +39,15 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
         console = Console()
         if scenario == "gpu":
-            from sluice.bench.gpu import print_gpu, run_gpu
+            from benchmarks.gpu import print_gpu, run_gpu
 
             doc = run_gpu(device or "cuda", tiny=tiny)
             print_gpu(doc, console)
             results = None
         else:
-            from sluice.bench.harness import document
-            from sluice.bench.scenarios import failed_scenarios, run_scenarios
-            from sluice.bench.table import print_document
+            from benchmarks.harness import document
+            from benchmarks.scenarios import failed_scenarios, run_scenarios
+            from benchmarks.table import print_document
 
             def progress(name: str, result: object) -> None:
                 console.print(f"[dim]{name} done in {getattr(result, 'wall_s', 0):.1f} s[/]")
@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
         if plot_out is not None:
             if results is None:
                 raise fail("--plot is not available for the gpu scenario", 2)
-            from sluice.bench.plot import PlotUnavailableError, render
+            from benchmarks.plot import PlotUnavailableError, render
 
             try:
                 console.print(f"wrote {render(results, plot_out)}")

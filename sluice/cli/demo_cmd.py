@@ -27,10 +27,10 @@ def register(app: typer.Typer) -> None:
         import uvloop
         from rich.console import Console
 
+        from common.logs import setup_logging
+        from common.settings import Settings
         from infra.common import InfraConfig, default_cache_dir
         from sluice.demo import run_demo
-        from sluice.logs import setup_logging
-        from sluice.settings import Settings
 
         setup_logging("WARNING")
         logging.getLogger("sluice").setLevel(logging.WARNING)

@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         out = make_tiny_model(directory, TinySpec(seed=seed))
         typer.echo(f"wrote a tiny Llama model to {out}")
         if train_steps > 0:
-            from gpu_runtime.tiny_train import train_tiny_model
+            from sluice.tiny_train import train_tiny_model
 
             loss = train_tiny_model(out, train_steps, seed=seed)
             typer.echo(f"trained it for {train_steps} steps (final loss {loss:.4f})")

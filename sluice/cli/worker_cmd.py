@@ -52,9 +52,9 @@ def register(app: typer.Typer) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
         import uvloop
 
-        from sluice.logs import setup_logging
-        from sluice.settings import Settings
-        from sluice.worker import Worker, WorkerOptions
+        from common.logs import setup_logging
+        from common.settings import Settings
+        from worker.worker import Worker, WorkerOptions
 
         setup_logging(log_level)
         settings = Settings.load(pool=pool, kafka_bootstrap=kafka_bootstrap,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from common.settings import Settings
 from gpu_runtime.tiny import make_tiny_model
-from sluice.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import asyncpg
 
-from sluice.settings import Settings
+from common.settings import Settings
 
 
 @dataclass

@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 import sluice
+from common.settings import Settings
 from sluice.errors import InvalidRequestError, RequestTimeoutError, UnknownModelError
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import drop_schema, settings_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -119,7 +119,7 @@ async def test_no_worker_means_a_client_deadline_not_a_hang(settings, tiny_model
 
 
 async def test_removing_a_model(settings, tiny_model) -> None:
-    from sluice.topics import TopicAdmin
+    from common.topics import TopicAdmin
 
     with sluice.Client(settings) as admin_client:
         admin_client.models.register(model="tiny", path=str(tiny_model))

@@ -14,10 +14,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 import sluice
+from common.db import create_pool, notify_channel
+from common.settings import Settings
 from ingest.permissions import PermissionChecker
 from schemas import ModelDeployment, decode
 from sluice.control_plane import ControlPlane
-from sluice.db import create_pool
 from sluice.errors import (
     ConflictError,
     DependencyTimeoutError,
@@ -25,7 +26,6 @@ from sluice.errors import (
     LimitExceededError,
     NotFoundError,
 )
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import drop_schema
 
 pytestmark = pytest.mark.integration
@@ -144,7 +144,7 @@ async def test_adapter_limit_is_enforced_with_a_clear_message(settings, model_di
 async def test_keys_grants_and_fast_revocation(settings, model_dir) -> None:
     cp = await ControlPlane.connect(settings)
     pool = await create_pool(settings)
-    checker = PermissionChecker(pool, settings.db_schema)
+    checker = PermissionChecker(pool, notify_channel(settings.db_schema))
     checker.start()
     try:
         await cp.register_model("tiny", str(model_dir))

@@ -12,13 +12,13 @@ import orjson
 import pytest
 
 import sluice
+from common.settings import Settings
 from gpu_runtime import Runtime, StepOutput, StepPlan
 from gpu_runtime.tiny import make_tiny_model
 from sluice.errors import RequestError
-from sluice.settings import Settings
-from sluice.worker import Worker, WorkerOptions
 from tests.conftest import free_port
 from tests.integration.pipeline_helpers import drop_schema, settings_env
+from worker.worker import Worker, WorkerOptions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -194,6 +194,7 @@ async def test_a_terminal_event_sent_while_the_broker_is_away_lands_when_it_retu
     from infra import kafka_broker
     from results.writer import ResultWriter
     from schemas import ErrorCode
+    from worker.options import results_options
 
     cfg = _private_infra(tmp_path)
     bootstrap = str((await asyncio.to_thread(kafka_broker.up, cfg))["bootstrap"])
@@ -205,18 +206,19 @@ async def test_a_terminal_event_sent_while_the_broker_is_away_lands_when_it_retu
     await admin.create_topics([NewTopic(reply_topic, 1, 1)])
     await admin.close()
     finished: list[tuple[object, int]] = []
-    writer = ResultWriter(settings, lambda tp, offset: finished.append((tp, offset)), "tiny")
+    writer = ResultWriter(results_options(settings, "tiny"),
+                          lambda tp, offset: finished.append((tp, offset)))
     await writer.start()
     request_tp = TopicPartition(f"{unique_name}.requests.tiny", 0)
     try:
-        await writer.error_without_context(tp=request_tp, offset=0, reply_topic=reply_topic,
+        await writer.refusal(tp=request_tp, offset=0, reply_topic=reply_topic,
                                            request_id="before", code=ErrorCode.INTERNAL,
                                            message="sent while the broker is up")
         await writer.flush()
         assert finished == [(request_tp, 0)]
 
         await asyncio.to_thread(kafka_broker.down, cfg)
-        await writer.error_without_context(tp=request_tp, offset=1, reply_topic=reply_topic,
+        await writer.refusal(tp=request_tp, offset=1, reply_topic=reply_topic,
                                            request_id="during", code=ErrorCode.INTERNAL,
                                            message="sent while the broker is away")
         await asyncio.sleep(6)  # three request timeouts
@@ -250,7 +252,7 @@ async def test_a_worker_task_that_fails_stops_the_worker(settings, tmp_path, cap
     `fatal` set (the CLI exits 3), rather than living on without it."""
     import logging
 
-    from sluice.worker import WorkerTaskFailed
+    from worker.worker import WorkerTaskFailed
 
     model_dir = make_tiny_model(tmp_path / "tiny")
     client = sluice.Client(settings)
@@ -271,7 +273,7 @@ async def test_a_worker_task_that_fails_stops_the_worker(settings, tmp_path, cap
             raise ValueError("injected gauge failure")
 
         worker.metrics.set_queue = broken_gauge  # type: ignore[method-assign]
-        caplog.set_level(logging.ERROR, logger="sluice.worker")
+        caplog.set_level(logging.ERROR, logger="worker.worker")
         started = asyncio.get_running_loop().time()
         await asyncio.wait_for(asyncio.shield(task), 30)
         assert asyncio.get_running_loop().time() - started < 15

@@ -13,8 +13,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 import sluice
+from common.settings import Settings
 from gpu_runtime.tiny import make_tiny_model
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 import sluice
-from ingest.consumer import murmur2_partition
+from common.settings import Settings
+from ingest.partitioning import murmur2_partition
 from schemas import DeadLetterRecord, decode
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import drop_schema, scrape_metrics, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

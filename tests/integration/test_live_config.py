@@ -8,9 +8,9 @@ import asyncpg
 import pytest
 
 import sluice
+from common.settings import Settings
 from gpu_runtime.tiny import make_tiny_model
 from sluice.errors import InvalidConfigError
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

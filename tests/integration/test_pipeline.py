@@ -11,9 +11,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 import sluice
+from common.settings import Settings
 from schemas import DeadLetterRecord, DoneEvent, TokenEvent, decode
 from sluice.errors import RequestError, RequestTimeoutError
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import drop_schema, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -428,7 +428,7 @@ def test_chat_cli_holds_a_conversation(settings, tiny_model, tmp_path) -> None:
 
 
 async def test_tenant_reply_topic_prefix_is_enforced(settings, tiny_model, tmp_path) -> None:
-    from sluice.topics import TopicAdmin, TopicSpec
+    from common.topics import TopicAdmin, TopicSpec
 
     client, _ = _setup(settings, tiny_model)
     key = client.keys.create(tenant="acme", reply_topic_prefix=f"{settings.topic_prefix}-acme.")

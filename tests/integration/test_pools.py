@@ -8,8 +8,8 @@ import signal
 import pytest
 
 import sluice
+from common.settings import Settings
 from schemas import DoneEvent, TokenEvent
-from sluice.settings import Settings
 from tests.integration.pipeline_helpers import drop_schema, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -141,9 +141,9 @@ async def test_database_read_write(endpoints, pg_schema) -> None:
 async def test_sluice_creates_topics_at_the_replication_factor_the_cluster_allows(
     endpoints, unique_name
 ) -> None:
+    from common.settings import Settings
+    from common.topics import TopicAdmin, request_topic, shared_topics
     from sluice.errors import InvalidConfigError
-    from sluice.settings import Settings
-    from sluice.topics import TopicAdmin, request_topic, shared_topics
 
     settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
                         database_url=endpoints.database_url, topic_prefix=unique_name)

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import sluice
+from common.settings import KafkaSettings, Settings
 from schemas import DoneEvent, TokenEvent
-from sluice.kafka_security import KafkaAccessError
-from sluice.settings import KafkaSettings, Settings
+from sluice.errors import KafkaAccessError
 from tests.conftest import Endpoints, secure_state_dir
 from tests.integration.pipeline_helpers import (
     drop_schema,
@@ -232,7 +232,7 @@ async def test_the_helm_readme_acls_hold(secure_endpoints, unique_name, tiny_mod
         keys = {t: ctl.keys.create(tenant=t, reply_topic_prefix=f"tenant-{t}.") for t in tenants}
         for k in keys.values():
             ctl.keys.grant(k, model="tiny")
-    from sluice.topics import TopicAdmin, TopicSpec
+    from common.topics import TopicAdmin, TopicSpec
 
     async with TopicAdmin(admin) as topics:  # the tenants' operator makes their topics
         await topics.ensure([TopicSpec(f"tenant-{t}.replies", 2, {}) for t in tenants])

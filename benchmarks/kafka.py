@@ -1,0 +1,250 @@
+"""`kafka` and `bulk`: the same work in-process (the `Engine` directly) and through the broker.
+
+`kafka`: one request at a time, alternating between the two paths, so both
+see the same machine state; TTFT (to the first token) and end to end (to the
+terminal event), measured by the caller. What Kafka adds = the Kafka path
+minus the in-process path, at p50 and p99. The floor it is compared with: two
+produce -> consume hops of a small record on the same broker (a request goes
+to the request topic, its tokens come back on the reply topic).
+
+`bulk`: a generated JSONL through `sluice.batch.run_batch` (the `sluice
+batch` code) and the same prompts submitted to an in-process `Engine`, with
+the same concurrency; requests/s and tokens/s of each.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from batcher.config import BatcherConfig
+from batcher.engine import Engine
+from batcher.types import TERMINAL_EVENT_TYPES, Finished, Request, Tokens
+from benchmarks.harness import figure, goal, latency_figures, percentile, ratio
+from benchmarks.served import KV_CACHE_LEN, MAX_NUM_BATCHED_TOKENS, MODEL, Served
+from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
+from schemas import DoneEvent as WireDone
+from schemas import TokenEvent as WireToken
+
+
+def _engine(model_dir: Path, device: str) -> Engine:
+    rt = Runtime(model_dir, RuntimeConfig(device=device, kv_cache_len=KV_CACHE_LEN,
+                                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+    return Engine(rt, BatcherConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+
+
+def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(24, 64))] for _ in range(count)]
+
+
+def _vocab(model_dir: Path) -> int:
+    return int(orjson.loads((model_dir / "config.json").read_bytes())["vocab_size"])
+
+
+async def _in_process(engine: Engine, rid: str, prompt: list[int],
+                      max_tokens: int) -> tuple[float, float]:
+    """(TTFT ms, end-to-end ms) of one request when it is the only one in flight."""
+    start = time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    now = time.time()
+    engine.submit(Request(rid, tuple(prompt), params, now, now + 60.0))
+    first = None
+    while True:
+        event = await engine.next_event()
+        if isinstance(event, Tokens) and first is None:
+            first = time.perf_counter()
+        if isinstance(event, Finished):
+            end = time.perf_counter()
+            return ((first or end) - start) * 1000, (end - start) * 1000
+        if isinstance(event, TERMINAL_EVENT_TYPES):
+            raise RuntimeError(f"request {rid} ended with {event!r}")
+
+
+async def _through_kafka(served: Served, rid: str, prompt: list[int],
+                         max_tokens: int) -> tuple[float, float, float]:
+    """(TTFT ms, end-to-end ms, worker-reported TTFT ms) of one request via the SDK."""
+    start = time.perf_counter()
+    first = None
+    async for event in served.client.stream(model=MODEL, api_key=served.api_key,
+                                            request_id=rid, prompt_token_ids=prompt,
+                                            max_tokens=max_tokens, temperature=0.0):
+        if isinstance(event, WireToken):
+            first = first or time.perf_counter()
+        elif isinstance(event, WireDone):
+            end = time.perf_counter()
+            return ((first or end) - start) * 1000, (end - start) * 1000, event.timing.ttft_ms
+        else:
+            raise RuntimeError(f"request {rid} ended with {event!r}")
+    raise RuntimeError(f"request {rid}: the reply stream ended early")
+
+
+async def _broker_round_trips(served: Served, count: int) -> list[float]:
+    """Milliseconds from `send_and_wait` of a small record to its consumption."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+    from common.topics import TopicAdmin, TopicSpec
+
+    topic = served.settings.topic("bench-probe")
+    async with TopicAdmin(served.settings) as admin:
+        await admin.ensure([TopicSpec(topic, 1, {})])
+    options = served.settings.kafka_options()
+    producer = AIOKafkaProducer(**options, enable_idempotence=True)
+    consumer = AIOKafkaConsumer(**options, enable_auto_commit=False)
+    await producer.start()
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_end(tp)
+        await consumer.position(tp)
+        out = []
+        for i in range(count + 1):
+            start = time.perf_counter()
+            await producer.send_and_wait(topic, b"x" * 200, key=str(i).encode())
+            await consumer.getone()
+            if i:  # the first one warms the connections
+                out.append((time.perf_counter() - start) * 1000)
+        return out
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def bench_kafka(served: Served, device: str,
+                      quick: bool) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """(results, raw TTFT samples per path for the plot)."""
+    count, max_tokens = (16, 8) if quick else (120, 16)
+    prompts = _prompts(count + 1, _vocab(served.model_dir), seed=11)
+    local = {"ttft": [], "e2e": []}
+    remote: dict[str, list[float]] = {"ttft": [], "e2e": [], "worker_ttft": []}
+    async with _engine(served.model_dir, device) as engine:
+        await _in_process(engine, "warm", prompts[-1], 2)
+        for i, prompt in enumerate(prompts[:count]):
+            ttft, e2e = await _in_process(engine, f"local-{i}", prompt, max_tokens)
+            local["ttft"].append(ttft)
+            local["e2e"].append(e2e)
+            ttft, e2e, worker_ttft = await _through_kafka(served, f"kafka-{i}", prompt,
+                                                          max_tokens)
+            remote["ttft"].append(ttft)
+            remote["e2e"].append(e2e)
+            remote["worker_ttft"].append(worker_ttft)
+    hops = await _broker_round_trips(served, 10 if quick else 50)
+
+    def added(kind: str, q: float) -> float | None:
+        a, b = percentile(remote[kind], q), percentile(local[kind], q)
+        return None if a is None or b is None else a - b
+
+    floor = 2 * (percentile(hops, 0.5) or 0.0)
+    added_p50 = added("ttft", 0.5)
+    results: dict[str, Any] = {
+        "kafka_ttft": latency_figures(remote["ttft"]),
+        "kafka_end_to_end": latency_figures(remote["e2e"]),
+        "kafka_worker_reported_ttft": latency_figures(remote["worker_ttft"]),
+        "baseline_in_process_ttft": latency_figures(local["ttft"]),
+        "baseline_in_process_end_to_end": latency_figures(local["e2e"]),
+        "added_by_kafka": {
+            "ttft_p50": figure(added_p50, "ms", 2),
+            "ttft_p99": figure(added("ttft", 0.99), "ms", 2),
+            "end_to_end_p50": figure(added("e2e", 0.5), "ms", 2),
+            "end_to_end_p99": figure(added("e2e", 0.99), "ms", 2),
+        },
+        "limits": {
+            "broker_round_trip": latency_figures(hops),
+            "two_hop_floor_p50": figure(floor, "ms", 2),
+        },
+        "fraction_of_limit": {
+            "added_ttft_p50_over_two_hop_floor": ratio(added_p50, floor),
+        },
+        "ratios": {
+            "ttft_p50_kafka_over_in_process": ratio(percentile(remote["ttft"], 0.5),
+                                                    percentile(local["ttft"], 0.5)),
+            "end_to_end_p50_kafka_over_in_process": ratio(percentile(remote["e2e"], 0.5),
+                                                          percentile(local["e2e"], 0.5)),
+        },
+        "workload": f"{count} requests one at a time, prompts 24-64 tokens, "
+                    f"{max_tokens} new tokens, greedy; paths alternate request by request",
+    }
+    results["goals"] = {
+        "added_ttft_p50": goal("Kafka adds <= 10 ms p50 to TTFT", added_p50, 10.0,
+                               higher_is_better=False, unit="ms"),
+    }
+    return results, {"in-process": local["ttft"], "kafka": remote["ttft"]}
+
+
+async def _bulk_in_process(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                           concurrency: int) -> tuple[float, int]:
+    """(seconds, completion tokens) of every prompt, `concurrency` in flight."""
+    waiting = {f"bulk-{i}": p for i, p in enumerate(prompts)}
+    order = list(waiting)
+    tokens = 0
+    start = time.perf_counter()
+    in_flight = 0
+    while order or in_flight:
+        while order and in_flight < concurrency:
+            rid = order.pop(0)
+            now = time.time()
+            engine.submit(Request(rid, tuple(waiting[rid]),
+                                  SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                  now, now + 24 * 3600.0))
+            in_flight += 1
+        event = await engine.next_event()
+        if isinstance(event, Finished):
+            tokens += event.counts.num_completion_tokens
+        if isinstance(event, TERMINAL_EVENT_TYPES):
+            in_flight -= 1
+    return time.perf_counter() - start, tokens
+
+
+async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) -> dict[str, Any]:
+    from sluice.batch import run_batch
+
+    count, max_tokens, concurrency = (128, 8, 32) if quick else (400, 16, 64)
+    prompts = _prompts(count, _vocab(served.model_dir), seed=23)
+    in_path = workdir / "bulk-in.jsonl"
+    lines = [{"custom_id": f"b{i}", "body": {"prompt_token_ids": p, "max_tokens": max_tokens,
+                                             "temperature": 0.0}} for i, p in enumerate(prompts)]
+    in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+    local_runs, kafka_runs = [], []
+    rounds = 1 if quick else 2
+    async with _engine(served.model_dir, device) as engine:
+        for r in range(rounds):  # alternate, so drift in machine load hits both paths
+            local_runs.append(await _bulk_in_process(engine, prompts, max_tokens, concurrency))
+            summary = await run_batch(served.client, in_path, workdir / f"bulk-out-{r}.jsonl",
+                                      model=MODEL, api_key=served.api_key,
+                                      concurrency=concurrency)
+            if summary.num_errors:
+                raise RuntimeError(f"bulk run had {summary.num_errors} errors")
+            kafka_runs.append((summary.seconds, summary.num_completion_tokens))
+
+    def rates(runs: list[tuple[float, int]]) -> dict[str, Any]:
+        seconds = sum(s for s, _ in runs)
+        tokens = sum(t for _, t in runs)
+        return {"requests_s": count * len(runs) / seconds, "tokens_s": tokens / seconds,
+                "tokens": tokens / len(runs), "seconds": seconds / len(runs)}
+
+    mine, base = rates(kafka_runs), rates(local_runs)
+
+    def figs(r: dict[str, Any]) -> dict[str, Any]:
+        return {"requests_per_s": figure(r["requests_s"], "req/s", 2),
+                "completion_tokens_per_s": figure(r["tokens_s"], "tok/s", 1),
+                "completion_tokens": figure(r["tokens"], "tokens", 0),
+                "wall": figure(r["seconds"], "s", 2)}
+
+    return {
+        "kafka_run_batch": figs(mine),
+        "baseline_in_process_engine": figs(base),
+        "limits": {"in_process_tokens_per_s": figure(base["tokens_s"], "tok/s", 1)},
+        "fraction_of_limit": {"kafka_tokens_s_of_in_process": ratio(mine["tokens_s"],
+                                                                    base["tokens_s"])},
+        "ratios": {
+            "requests_s_kafka_over_in_process": ratio(mine["requests_s"], base["requests_s"]),
+            "tokens_s_kafka_over_in_process": ratio(mine["tokens_s"], base["tokens_s"]),
+        },
+        "workload": f"{count} prompts of 24-64 tokens, max_tokens {max_tokens}, greedy, "
+                    f"{concurrency} in flight, {rounds} round(s) per path, alternating",
+    }

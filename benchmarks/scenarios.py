@@ -1,0 +1,107 @@
+"""The scenario registry and the runner behind `sluice bench SCENARIO`.
+
+Scenarios run one after another in this process, each beside its baseline.
+`kafka` and `bulk` share one served model (broker, database, worker): in
+`all` it is set up once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.components import (
+    add_serving_goals,
+    bench_adapters_scenario,
+    bench_deadlines_scenario,
+    bench_runtime_scenario,
+)
+from benchmarks.harness import ScenarioResult
+from benchmarks.sessions import bench_sessions
+
+LocalScenario = Callable[[str, bool], ScenarioResult]
+
+LOCAL: dict[str, LocalScenario] = {
+    "runtime": bench_runtime_scenario,
+    "adapters": bench_adapters_scenario,
+    "sessions": bench_sessions,
+    "deadlines": bench_deadlines_scenario,
+}
+BROKER = ("kafka", "bulk")
+SCENARIOS = (*LOCAL, *BROKER)
+TINY_SHAPE = ("sluice tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, inter 128, "
+              "byte-level BPE vocab), float32, random weights")
+
+
+async def _broker_scenarios(names: list[str], device: str, quick: bool,
+                            on_done: Callable[[str, ScenarioResult], None]
+                            ) -> dict[str, ScenarioResult]:
+    from benchmarks.kafka import bench_bulk, bench_kafka
+    from benchmarks.served import served_model
+    from gpu_runtime.tiny import make_tiny_model
+
+    out: dict[str, ScenarioResult] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model_dir = await asyncio.to_thread(make_tiny_model, workdir / "tiny")
+        async with served_model(model_dir, device) as served:
+            for name in names:
+                started = time.perf_counter()
+                samples: dict[str, list[float]] = {}
+                try:
+                    if name == "kafka":
+                        results, samples = await bench_kafka(served, device, quick)
+                    else:
+                        results = await bench_bulk(served, device, quick, workdir)
+                except Exception as exc:
+                    out[name] = failed(exc, time.perf_counter() - started)
+                else:
+                    out[name] = ScenarioResult(TINY_SHAPE, results,
+                                               time.perf_counter() - started,
+                                               extra={"ttft_ms": samples})
+                on_done(name, out[name])
+    return out
+
+
+def failed(exc: BaseException, wall_s: float = 0.0) -> ScenarioResult:
+    """A scenario that raised: recorded in the document, so the others' results survive."""
+    return ScenarioResult("n/a", {"available": False, "error": f"{type(exc).__name__}: {exc}"},
+                          wall_s)
+
+
+def failed_scenarios(results: dict[str, ScenarioResult]) -> list[str]:
+    return [n for n, r in results.items() if "error" in r.results]
+
+
+def run_scenarios(scenario: str, device: str, quick: bool,
+                  on_done: Callable[[str, ScenarioResult], None] = lambda n, r: None
+                  ) -> dict[str, ScenarioResult]:
+    """Run one scenario, or every one for "all"; `on_done` hears of each as it ends."""
+    names = list(SCENARIOS) if scenario == "all" else [scenario]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario {unknown[0]!r}; choose from "
+                         f"{', '.join((*SCENARIOS, 'all', 'gpu'))}")
+    results: dict[str, ScenarioResult] = {}
+    for name in names:
+        if name in LOCAL:
+            started = time.perf_counter()
+            try:
+                results[name] = LOCAL[name](device, quick)
+            except Exception as exc:
+                results[name] = failed(exc, time.perf_counter() - started)
+            on_done(name, results[name])
+    broker = [n for n in names if n in BROKER]
+    if broker:
+        try:
+            results.update(asyncio.run(_broker_scenarios(broker, device, quick, on_done)))
+        except Exception as exc:
+            for name in broker:
+                if name not in results:
+                    results[name] = failed(exc)
+                    on_done(name, results[name])
+    add_serving_goals(results)
+    return {n: results[n] for n in names}

@@ -1,0 +1,103 @@
+"""A model served through the real broker and PostgreSQL, with a worker in this process.
+
+`served_model(...)` is what the `kafka` and `bulk` scenarios share: it reuses
+`SLUICE_KAFKA_BOOTSTRAP` / `SLUICE_DATABASE_URL` when both are set, else
+starts the local infrastructure (`infra.local.up`). Every run gets its own
+topic prefix and database schema; the schema and the topics are dropped
+afterwards, so runs never see each other's data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.settings import Settings
+from sluice.client import Client
+from worker.worker import Worker, WorkerOptions
+
+MODEL = "bench"
+KV_CACHE_LEN = 16384
+MAX_NUM_BATCHED_TOKENS = 512  # the worker's default budget; the in-process engine uses it too
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    settings: Settings
+    client: Client
+    api_key: str
+    model_dir: Path
+
+
+def endpoints() -> tuple[str, str]:
+    bootstrap = os.environ.get("SLUICE_KAFKA_BOOTSTRAP")
+    url = os.environ.get("SLUICE_DATABASE_URL")
+    if bootstrap and url:
+        return bootstrap, url
+    from infra import local
+    from infra.common import InfraConfig
+
+    started = local.up(InfraConfig.from_env())
+    return bootstrap or str(started["kafka"]["bootstrap"]), url or str(started["postgres"]["url"])
+
+
+def _setup(client: Client, model_dir: Path) -> str:
+    client.models.register(model=MODEL, path=str(model_dir),
+                           compute_config={"kv_cache_len": KV_CACHE_LEN})
+    key = client.keys.create(tenant="bench")
+    client.keys.grant(key, model=MODEL)
+    return key
+
+
+async def _drop(settings: Settings) -> None:
+    import asyncpg
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    conn = await asyncpg.connect(settings.database_dsn())
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
+    finally:
+        await conn.close()
+    admin = AIOKafkaAdminClient(**settings.kafka_options())
+    await admin.start()
+    try:
+        mine = [t for t in await admin.list_topics() if t.startswith(settings.topic_prefix + ".")]
+        if mine:
+            await admin.delete_topics(mine)
+    finally:
+        await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def served_model(model_dir: Path, device: str) -> AsyncIterator[Served]:
+    bootstrap, url = await asyncio.to_thread(endpoints)
+    tag = f"bench_{uuid.uuid4().hex[:10]}"
+    settings = Settings(kafka_bootstrap=bootstrap, database_url=url, db_schema=tag,
+                        topic_prefix=tag, request_partitions=1)
+    client = Client(settings)
+    worker_task: asyncio.Task[None] | None = None
+    worker: Worker | None = None
+    try:
+        key = await asyncio.to_thread(_setup, client, model_dir)
+        worker = Worker(settings, WorkerOptions(
+            model=MODEL, device=device, instance_id=tag,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+        worker_task = asyncio.create_task(worker.run())
+        # One request first, so the measurements see a joined, warmed-up worker.
+        async with asyncio.timeout(180):
+            await client.complete(model=MODEL, api_key=key, prompt_token_ids=[5, 6, 7],
+                                  max_tokens=1)
+        yield Served(settings, client, key, model_dir)
+    finally:
+        if worker is not None and worker_task is not None:
+            worker.stop()
+            with contextlib.suppress(Exception):
+                await worker_task
+        await client.aclose()
+        with contextlib.suppress(Exception):
+            await _drop(settings)

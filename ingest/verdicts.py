@@ -1,0 +1,84 @@
+"""What ingest decides about each record, and what it needs to decide it.
+
+Every record read ends in exactly one verdict, which ingest hands to its
+caller's `Route` (the worker): `Admitted` goes to the engine, `Refused` is
+answered with an `error` event, `DeadLettered` goes to the dead-letter topic
+(bytes that cannot even be answered). Ingest itself writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from schemas import ErrorCode, InferenceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class IngestOptions:
+    """Plain values ingest works with (the worker builds them from the settings)."""
+
+    model: str
+    request_topic: str
+    group_id: str  # the model's consumer group
+    instance_id: str  # this replica's static group member id
+    default_reply_topic: str
+    # sluice's own topics, never a reply topic: exact names and name prefixes.
+    internal_topics: frozenset[str]
+    internal_prefixes: tuple[str, ...]
+    reply_topic_pattern: str | None  # SLUICE_REPLY_TOPIC_PATTERN
+    kafka_options: Mapping[str, Any]  # aiokafka client options (bootstrap, security)
+
+    @property
+    def secured(self) -> bool:
+        return self.kafka_options.get("security_protocol", "PLAINTEXT") != "PLAINTEXT"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed every check: for the engine."""
+
+    request: InferenceRequest
+    tp: TopicPartition
+    offset: int
+    attempt: int
+    reply_topic: str
+    arrival_time: float  # the broker's timestamp of the record, seconds
+    max_ttft_ms: int  # the tighter of the request's and the model's
+    token_ids: list[int]  # empty only when it expired before it could be checked
+
+    @property
+    def deadline(self) -> float:
+        """When the first token is due, on the broker's clock: the one source of it."""
+        return self.arrival_time + self.max_ttft_ms / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request that can be answered, but only with an `error` event."""
+
+    tp: TopicPartition
+    offset: int
+    reply_topic: str
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """A record that cannot be answered (no request id, a forbidden reply topic, bytes
+    the client could not read): it goes to the dead-letter topic with the reason."""
+
+    tp: TopicPartition
+    offset: int
+    key: bytes | None
+    value: bytes
+    reason: str
+
+
+Verdict = Admitted | Refused | DeadLettered
+Route = Callable[[Verdict], Awaitable[None]]

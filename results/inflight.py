@@ -1,0 +1,33 @@
+"""What the worker remembers about one request, from admission to its terminal event.
+
+The one in-flight record of a request: made when ingest admits it, handed to
+the engine as the request's `origin` (it comes back in every engine event),
+and used to answer it (reply topic, attempt, detokenizer, event sequence) and
+to finish its offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from results.detokenize import IncrementalDecoder
+from schemas import InferenceRequest
+
+
+@dataclass(slots=True)
+class InFlight:
+    request: InferenceRequest
+    topic_partition: Any  # the request record's aiokafka TopicPartition
+    offset: int
+    reply_topic: str
+    attempt: int
+    arrival_time: float  # the broker's timestamp of the record, seconds
+    max_ttft_ms: int  # what the request was allowed: reported in its timeout
+    decoder: IncrementalDecoder
+    num_prompt_tokens: int = 0
+    next_seq: int = 0  # of its next token event
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id

@@ -1,0 +1,124 @@
+"""Pure translation: what a request's outcome is on the wire. No I/O.
+
+Each method returns the records to write (`WireRecord`: topic, key, value);
+`results.delivery` writes them. Token events advance the request's detokenizer
+and event sequence; the done event carries the text the token events added up
+to (a held-back UTF-8 tail goes out first as a last, token-less event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from results.inflight import InFlight
+from schemas import (
+    DeadLetterRecord,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    TimeoutEvent,
+    TimeoutRecord,
+    Timing,
+    TokenEvent,
+    Usage,
+    encode,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WireRecord:
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Translator:
+    model: str
+    timeouts_topic: str
+    deadletter_topic: str
+
+    def tokens(self, ctx: InFlight, token_ids: list[int]) -> WireRecord | None:
+        """A token event (None when the request is not streamed); the detokenizer sees
+        every token either way, so the done event's text is complete."""
+        text = ctx.decoder.push(token_ids)
+        if not ctx.request.stream:
+            return None
+        return self._token_event(ctx, token_ids, text)
+
+    def _token_event(self, ctx: InFlight, token_ids: list[int], text: str) -> WireRecord:
+        event = TokenEvent(request_id=ctx.request_id, attempt=ctx.attempt, seq=ctx.next_seq,
+                           token_ids=token_ids, text=text)
+        ctx.next_seq += 1
+        return self._reply(ctx, encode(event))
+
+    def done(self, ctx: InFlight, *, finish_reason: str, token_ids: list[int],
+             num_cached_prompt_tokens: int, timing: Timing,
+             adapter: str | None) -> list[WireRecord]:
+        """The done event — after a last token-less event with any text held back."""
+        seen = len(ctx.decoder.ids)
+        if len(token_ids) > seen:
+            ctx.decoder.push(token_ids[seen:])
+        records = []
+        if ctx.request.stream:
+            tail = ctx.decoder.flush()
+            if tail:
+                records.append(self._token_event(ctx, [], tail))
+            text = ctx.decoder.emitted
+        else:
+            text = ctx.decoder.text()
+        event = DoneEvent(
+            request_id=ctx.request_id, attempt=ctx.attempt,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            text=text, token_ids=list(token_ids),
+            usage=Usage(prompt_tokens=ctx.num_prompt_tokens,
+                        cached_prompt_tokens=num_cached_prompt_tokens,
+                        completion_tokens=len(token_ids)),
+            timing=timing, model=self.model, adapter=adapter,
+        )
+        return [*records, self._reply(ctx, encode(event))]
+
+    def error(self, ctx: InFlight, code: ErrorCode, message: str) -> WireRecord:
+        event = ErrorEvent(request_id=ctx.request_id, attempt=ctx.attempt, code=code,
+                           message=message)
+        return self._reply(ctx, encode(event))
+
+    @staticmethod
+    def refusal(reply_topic: str, request_id: str, code: ErrorCode, message: str) -> WireRecord:
+        """The error event of a request that never became an in-flight one."""
+        event = ErrorEvent(request_id=request_id, code=code, message=message)
+        return WireRecord(reply_topic, request_id.encode(), encode(event))
+
+    def timeout(self, ctx: InFlight, waited_ms: float,
+                reason: str) -> tuple[WireRecord, WireRecord]:
+        """(the record on the timeouts topic, the timeout event)."""
+        event = TimeoutEvent(request_id=ctx.request_id, attempt=ctx.attempt,
+                             waited_ms=waited_ms, max_ttft_ms=ctx.max_ttft_ms)
+        record = TimeoutRecord(
+            request_id=ctx.request_id, model=self.model, attempt=ctx.attempt, reason=reason,
+            waited_ms=waited_ms, max_ttft_ms=ctx.max_ttft_ms,
+            request=ctx.request.model_dump(mode="json"),
+        )
+        return (WireRecord(self.timeouts_topic, ctx.request_id.encode(), encode(record)),
+                self._reply(ctx, encode(event)))
+
+    def dead_letter(self, *, topic: str, partition: int, offset: int, key: bytes | None,
+                    value: bytes, reason: str) -> WireRecord:
+        """A record that cannot be answered, with the reason and where it was."""
+        record = DeadLetterRecord.of(reason=reason, topic=topic, partition=partition,
+                                     offset=offset, key=key, value=value)
+        return WireRecord(self.deadletter_topic, key, encode(record))
+
+    def undeliverable(self, ctx: InFlight, why: str) -> WireRecord:
+        """A request whose terminal event its reply topic would not take, dead-lettered
+        under the request record's own key."""
+        tp = ctx.topic_partition
+        reason = (f"the request's terminal event could not be written to its reply topic "
+                  f"{ctx.reply_topic!r}: {why}")
+        return self.dead_letter(topic=tp.topic, partition=tp.partition, offset=ctx.offset,
+                                key=ctx.request.partition_key.encode(),
+                                value=encode(ctx.request), reason=reason)
+
+    @staticmethod
+    def _reply(ctx: InFlight, value: bytes) -> WireRecord:
+        return WireRecord(ctx.reply_topic, ctx.request_id.encode(), value)

@@ -1,0 +1,143 @@
+"""Logits and greedy tokens equal Hugging Face (`LlamaForCausalLM`, and Mistral and
+Qwen2, the other supported architectures) on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_runtime import StepPlan
+from tests.runtime_support import greedy, hf_logits, make_hf_checkpoint, make_runtime
+
+TOL = 1e-4
+VARIANTS = {
+    "gqa": {},
+    "tied_mha_bias": dict(tie_word_embeddings=True, num_key_value_heads=4, attention_bias=True),
+    "llama3_rope_head_dim": dict(
+        head_dim=32,
+        num_key_value_heads=1,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    # Mistral: every layer attends to the last 7 positions only, far fewer than the
+    # test contexts (up to 60 tokens), and not a multiple of the 16-token block.
+    "mistral_window": dict(arch="mistral", sliding_window=7),
+    # Qwen2: q/k/v biases without an `attention_bias` key.
+    "qwen2": dict(arch="qwen2", num_key_value_heads=1),
+    # Qwen2 whose second layer slides over 5 positions, its first attends to all.
+    "qwen2_mixed_window": dict(arch="qwen2", num_key_value_heads=1, use_sliding_window=True,
+                               sliding_window=5, max_window_layers=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return make_hf_checkpoint(path, seed=hash(request.param) % 1000, **VARIANTS[request.param])
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+def test_batch1_logits_and_greedy_match_hf(checkpoint):
+    path, hf = checkpoint
+    rt = make_runtime(path)
+    prompt = _prompt(23, 1)
+    rt.add_sequence("a", prompt, greedy(20))
+    tokens, logits = [], []
+    plan = {"a": len(prompt)}
+    while rt.sequences:
+        out = rt.execute(StepPlan(plan, return_logits=True))
+        tokens.append(out.outputs[0].token_id)
+        logits.append(out.logits["a"])
+        plan = {"a": 1}
+    assert len(tokens) == 20
+    ref = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1 :]  # [20, vocab]
+    assert (torch.stack(logits) - ref).abs().max().item() <= TOL
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        hf_out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0
+        )
+    assert tokens == hf_out[0, len(prompt) :].tolist()
+    rt.check_invariants()
+
+
+def test_batch7_ragged_mixed_steps_match_hf(checkpoint):
+    path, hf = checkpoint
+    rt = make_runtime(path)
+    lengths = [1, 5, 16, 17, 33, 40, 9]
+    prompts = {f"s{i}": _prompt(n, 10 + i) for i, n in enumerate(lengths)}
+    late = {"s4", "s5", "s6"}  # join after 3 steps, prefilling while the others decode
+    tokens = {s: [] for s in prompts}
+    logits = {s: [] for s in prompts}
+    for s in prompts.keys() - late:
+        rt.add_sequence(s, prompts[s], greedy(20))
+    step, mixed_steps = 0, 0
+    while rt.sequences or step < 3:
+        if step == 3:
+            for s in sorted(late):
+                rt.add_sequence(s, prompts[s], greedy(20))
+        plan = {s: min(8, q.num_uncomputed) for s, q in rt.sequences.items()}
+        mixed_steps += 1 in plan.values() and any(n > 1 for n in plan.values())
+        out = rt.execute(StepPlan(plan, return_logits=True))
+        for o in out.outputs:
+            tokens[o.seq_id].append(o.token_id)
+            logits[o.seq_id].append(out.logits[o.seq_id])
+        rt.check_invariants()
+        step += 1
+    assert mixed_steps >= 2
+    for s, prompt in prompts.items():
+        assert len(tokens[s]) == 20
+        ref = hf_logits(hf, prompt + tokens[s][:-1])[len(prompt) - 1 :]
+        diff = (torch.stack(logits[s]) - ref).abs().max().item()
+        assert diff <= TOL, f"{s}: max abs diff {diff}"
+        assert tokens[s] == ref.argmax(-1).tolist()
+    assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
+
+
+def test_sliding_window_serves_beyond_the_window(tmp_path):
+    """Contexts are not capped at the window: the model's own limit applies, and a
+    session's second turn reuses its cached blocks (windowed layers read from them)."""
+    path, hf = make_hf_checkpoint(tmp_path, arch="mistral", sliding_window=12)
+    rt = make_runtime(path, max_model_len=200)
+    assert rt.model_config.sliding_window == 12 and rt.max_model_len == 200
+    first = _prompt(70, 3)
+    rt.add_sequence("t1", first, greedy(1))
+    rt.execute(StepPlan({"t1": 70}))
+    second = first + _prompt(30, 4)
+    cached = rt.add_sequence("t2", second, greedy(1))
+    assert cached == 64  # four full blocks of the first turn
+    out = rt.execute(StepPlan({"t2": len(second) - cached}, return_logits=True))
+    ref = hf_logits(hf, second)[-1]
+    assert (out.logits["t2"] - ref).abs().max().item() <= TOL
+    rt.check_invariants()
+
+
+def test_qwen2_window_only_when_used(tmp_path):
+    from gpu_runtime.config import ModelConfig
+
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "sliding_window": 32}
+    assert ModelConfig.from_dict({**base, "use_sliding_window": False}).sliding_window is None
+    # Without layer_types, layers from max_window_layers (default 28) on slide.
+    assert ModelConfig.from_dict({**base, "use_sliding_window": True}).sliding_window is None
+    config = ModelConfig.from_dict({**base, "use_sliding_window": True, "max_window_layers": 1})
+    assert config.sliding_window == 32 and config.sliding_layers == (False, True)
+    assert (config.layer_window(0), config.layer_window(1)) == (None, 32)
+    layers = {"layer_types": ["sliding_attention", "full_attention"]}
+    config = ModelConfig.from_dict({**base, **layers})
+    assert (config.layer_window(0), config.layer_window(1)) == (32, None)
+    assert ModelConfig.from_dict(
+        {**base, "layer_types": ["full_attention"] * 2}).sliding_window is None
+    mistral = {**base, "architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_dict(mistral).sliding_layers == (True, True)
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).sliding_window is None

@@ -1,0 +1,109 @@
+"""A request's way through the worker without Kafka: ingest's verdicts routed (admitted
+to a real engine over the fake runtime, refused and dead-lettered to results), engine
+events pumped to results over a fake producer, offsets finished, and waits that end on
+events (nothing held, the pump idle) rather than on sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import orjson
+import pytest
+from aiokafka import TopicPartition
+
+from batcher.config import BatcherConfig
+from batcher.engine import Engine
+from ingest.verdicts import Admitted, DeadLettered, Refused
+from results.writer import ResultsOptions, ResultWriter
+from schemas import ErrorCode, InferenceRequest
+from tests.unit.batcher.fake_runtime import FakeRuntime
+from tests.unit.fake_producer import FakeProducer
+from worker.requests import EventPump, HeldRequests, Router, engine_key
+
+TP = TopicPartition("sluice.requests.tiny", 1)
+
+
+def _admitted(offset: int, *, max_ttft_ms: int = 60_000, arrival: float | None = None,
+              tokens: list[int] | None = None) -> Admitted:
+    request = InferenceRequest(request_id=f"r-{offset}", model="tiny",
+                               prompt_token_ids=[1, 2, 3], max_tokens=3, stream=True,
+                               reply_topic="replies")
+    return Admitted(request, TP, offset, 0, "replies",
+                    arrival_time=time.time() if arrival is None else arrival,
+                    max_ttft_ms=max_ttft_ms,
+                    token_ids=[1, 2, 3 + offset] if tokens is None else tokens)
+
+
+@dataclass
+class Flow:
+    router: Router
+    pump: EventPump
+    engine: Engine
+    held: HeldRequests
+    writer: ResultWriter
+    producer: FakeProducer
+    finished: list[int]
+
+
+@pytest.fixture
+async def flow():
+    producer = FakeProducer(topics={"replies", "sluice.timeouts", "sluice.deadletter"})
+    finished: list[int] = []
+    writer = ResultWriter(ResultsOptions("tiny", "sluice.timeouts", "sluice.deadletter", {}, 1.0),
+                          lambda tp, offset: finished.append(offset), producer=producer)
+    engine = Engine(FakeRuntime(), BatcherConfig())
+    await engine.start()
+    held = HeldRequests()
+    pump = EventPump(writer, held, engine)
+    pumping = asyncio.create_task(pump.run())
+    router = Router(writer, held, lambda: engine, lambda: None)
+    yield Flow(router, pump, engine, held, writer, producer, finished)
+    pumping.cancel()
+    await engine.stop()
+
+
+def _events(producer: FakeProducer, topic: str = "replies") -> list[dict]:
+    return [orjson.loads(v) for v in producer.values(topic)]
+
+
+async def test_every_verdict_ends_in_one_answer_and_a_finished_offset(flow) -> None:
+    router, held, producer = flow.router, flow.held, flow.producer
+    await router.route(_admitted(0))
+    await router.route(_admitted(1, arrival=time.time() - 5, max_ttft_ms=1000, tokens=[]))
+    await router.route(Refused(TP, 2, "replies", "r-2", ErrorCode.UNAUTHORIZED, "no grant"))
+    await router.route(DeadLettered(TP, 3, b"k", b"\xff", "undecodable request"))
+    assert await held.wait_empty(10)
+    assert await flow.pump.wait_idle(flow.engine)
+    await flow.writer.flush()
+    terminal = {e["request_id"]: e for e in _events(producer) if e["type"] != "token"}
+    assert terminal["r-0"]["type"] == "done" and terminal["r-0"]["token_ids"]
+    # Late when admitted (it outwaited the permission database): the engine times it out.
+    assert terminal["r-1"]["type"] == "timeout" and terminal["r-1"]["max_ttft_ms"] == 1000
+    (log,) = _events(producer, "sluice.timeouts")
+    assert "permission database unavailable" in log["reason"]
+    assert terminal["r-2"]["code"] == "unauthorized"
+    (letter,) = _events(producer, "sluice.deadletter")
+    assert letter["offset"] == 3
+    assert sorted(flow.finished) == [0, 1, 2, 3]
+
+
+async def test_a_record_read_twice_is_admitted_once(flow) -> None:
+    admitted = _admitted(5)
+    flow.held.hold(engine_key(admitted), None)  # type: ignore[arg-type]
+    await flow.router.route(admitted)  # already held: not submitted again
+    assert flow.engine.num_unfinished == 0
+    await flow.held.release(engine_key(admitted))
+
+
+async def test_waits_end_on_events_or_time_out(flow) -> None:
+    held = flow.held
+    held.hold("k", type("Ctx", (), {"topic_partition": TP})())  # type: ignore[arg-type]
+    assert not await held.wait_empty(0.05)
+    assert not await held.wait_none_from({TP}, 0.05)
+    assert await held.wait_none_from({TopicPartition("other", 0)}, 0.05)
+    waiting = asyncio.create_task(held.wait_empty(10))
+    await asyncio.sleep(0)
+    await held.release("k")
+    assert await asyncio.wait_for(waiting, 1)

@@ -1,0 +1,206 @@
+"""A request's way through the worker: admitted, held, run, answered.
+
+- `HeldRequests`: the requests a worker holds, by engine key, from admission
+  until their terminal event is handed to results. Waits for "none held" or
+  "none held from these partitions" end on a change, never on a polling sleep.
+- `Router`: each of ingest's verdicts to the engine (admitted) or to results
+  (refused, dead-lettered).
+- `EventPump`: each engine event to results; `wait_idle` returns once every
+  event an engine has emitted is handed over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+
+from batcher import types as bt
+from batcher.engine import Engine
+from batcher.errors import EngineClosedError
+from gpu_runtime import SamplingParams
+from ingest.verdicts import Admitted, DeadLettered, Refused, Verdict
+from results.detokenize import IncrementalDecoder
+from results.inflight import InFlight
+from results.writer import ResultWriter
+from schemas import ErrorCode, Timing
+
+log = logging.getLogger(__name__)
+
+EngineOf = Callable[[], Engine]
+
+
+class HeldRequests:
+    def __init__(self) -> None:
+        self._held: dict[str, InFlight] = {}
+        self._changed = asyncio.Condition()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def items(self) -> Iterator[tuple[str, InFlight]]:
+        return iter(list(self._held.items()))
+
+    def hold(self, key: str, ctx: InFlight) -> None:
+        self._held[key] = ctx
+
+    async def release(self, key: str) -> None:
+        if self._held.pop(key, None) is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `done()` holds (checked at each change); False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(done)
+        except TimeoutError:
+            return False
+        return True
+
+    async def wait_empty(self, timeout_s: float) -> bool:
+        return await self.wait_until(lambda: not self._held, timeout_s)
+
+    async def wait_none_from(self, partitions: set[object], timeout_s: float) -> bool:
+        return await self.wait_until(
+            lambda: not any(c.topic_partition in partitions for c in self._held.values()),
+            timeout_s)
+
+
+def engine_key(admitted: Admitted) -> str:
+    """Unique per record and attempt in this worker: the request id, where it was read."""
+    return f"{admitted.request.request_id}#{admitted.tp.partition}:{admitted.offset}"
+
+
+class Router:
+    def __init__(self, writer: ResultWriter, held: HeldRequests, engine_of: EngineOf,
+                 tokenizer_of: Callable[[], object]):
+        self._writer = writer
+        self._held = held
+        self._engine_of = engine_of
+        self._tokenizer_of = tokenizer_of
+
+    async def route(self, verdict: Verdict) -> None:
+        if isinstance(verdict, DeadLettered):
+            await self._writer.dead_letter(tp=verdict.tp, offset=verdict.offset,
+                                           key=verdict.key, value=verdict.value,
+                                           reason=verdict.reason)
+        elif isinstance(verdict, Refused):
+            await self._writer.refusal(tp=verdict.tp, offset=verdict.offset,
+                                       reply_topic=verdict.reply_topic,
+                                       request_id=verdict.request_id, code=verdict.code,
+                                       message=verdict.message)
+        else:
+            await self._admit(verdict)
+
+    async def _admit(self, admitted: Admitted) -> None:
+        key = engine_key(admitted)
+        if key in self._held:
+            return
+        req = admitted.request
+        ctx = InFlight(
+            request=req, topic_partition=admitted.tp, offset=admitted.offset,
+            reply_topic=admitted.reply_topic, attempt=admitted.attempt,
+            arrival_time=admitted.arrival_time, max_ttft_ms=admitted.max_ttft_ms,
+            decoder=IncrementalDecoder(self._tokenizer_of(), []),  # type: ignore[arg-type]
+            num_prompt_tokens=len(admitted.token_ids),
+        )
+        params = SamplingParams(
+            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
+        )
+        self._held.hold(key, ctx)
+        try:
+            self._engine_of().submit(bt.Request(
+                key=key, token_ids=tuple(admitted.token_ids), params=params,
+                arrival_time=admitted.arrival_time, deadline=admitted.deadline,
+                adapter_key=req.adapter, attempt=admitted.attempt, origin=ctx,
+            ))
+        except EngineClosedError:
+            # Shutting down: leave it unanswered and uncommitted for the next owner.
+            await self._held.release(key)
+        except Exception as exc:
+            await self._held.release(key)
+            await self._writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
+
+
+class EventPump:
+    def __init__(self, writer: ResultWriter, held: HeldRequests, engine: Engine):
+        self._writer = writer
+        self._held = held
+        self._engine = engine
+        self._switched = asyncio.Event()
+        self._handling = False
+        self._progress = asyncio.Condition()
+
+    def switch(self, engine: Engine) -> None:
+        """Read a new engine's events from now on (after a reload)."""
+        self._engine = engine
+        self._switched.set()
+
+    async def run(self) -> None:
+        while True:
+            engine = self._engine
+            getter = asyncio.ensure_future(engine.next_event())
+            switched = asyncio.ensure_future(self._switched.wait())
+            try:
+                await asyncio.wait({getter, switched}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                switched.cancel()
+                if not getter.done():
+                    getter.cancel()
+            if not getter.done() or getter.cancelled():
+                self._switched.clear()
+                continue
+            self._handling = True
+            try:
+                await self._handle(getter.result())
+            except Exception:
+                log.exception("writing an event failed")
+            finally:
+                self._handling = False
+                async with self._progress:
+                    self._progress.notify_all()
+
+    async def wait_idle(self, engine: Engine, timeout_s: float = 30.0) -> bool:
+        """Until every event `engine` has emitted is handed to results."""
+        try:
+            async with asyncio.timeout(timeout_s), self._progress:
+                await self._progress.wait_for(
+                    lambda: engine.events.empty() and not self._handling)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _handle(self, event: bt.Event) -> None:
+        ctx: InFlight = event.origin
+        if isinstance(event, bt.Tokens):
+            await self._writer.tokens(ctx, list(event.token_ids))
+            return
+        try:
+            if isinstance(event, bt.Finished):
+                t = event.latency
+                await self._writer.done(
+                    ctx, finish_reason=event.finish_reason, token_ids=list(event.token_ids),
+                    num_cached_prompt_tokens=event.counts.num_cached_prompt_tokens,
+                    timing=Timing(queue_ms=max(0.0, t.queue_ms), ttft_ms=max(0.0, t.ttft_ms),
+                                  total_ms=max(0.0, t.total_ms)),
+                    adapter=event.adapter_key)
+            elif isinstance(event, bt.Failed):
+                await self._writer.error(ctx, event.code, event.message)
+            elif isinstance(event, bt.Expired):
+                await self._writer.timeout(ctx, event.waited_ms, _timeout_reason(ctx, event))
+            # Cancelled: no terminal event; the offset stays unfinished and is served again.
+        finally:
+            await self._held.release(event.key)
+
+
+def _timeout_reason(ctx: InFlight, event: bt.Expired) -> str:
+    if event.early:
+        return "predicted to miss max_ttft_ms"
+    if ctx.num_prompt_tokens == 0:  # admitted unchecked: it outwaited the database
+        return "permission database unavailable until the request's max_ttft_ms passed"
+    return "max_ttft_ms passed before the first token"

@@ -1,0 +1,451 @@
+"""`sluice worker`: one model replica serving one model's request topic.
+
+The one place that assembles the rooms: ingest reads and judges records, the
+router hands admitted requests to the engine (batcher + gpu_runtime) and the
+rest to results, the event pump hands engine events to results, and the
+commit loop commits, per partition, the lowest unfinished offset
+(`worker.requests`). One asyncio loop (uvloop) holds the consumer, the
+producer, the database pool and the engine loop; the model step runs in the
+engine's thread.
+
+The deployment watcher follows `sluice.control`: placement changes apply at
+once (max_ttft, pools), adapter changes between steps, compute-config changes
+drain, reload and resume. Every background task is watched: one that fails
+(or a loop that returns) is logged with its traceback, `/readyz` turns false
+and the worker stops at once with `fatal` set (exit code 3), so its
+supervisor restarts it; requests it held stay uncommitted and are served
+again. Waits (draining, leaving the group, a revocation, shutting down) end on
+events — nothing held, the pump idle — each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import asyncpg
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaConnectionError
+
+from batcher.config import BatcherConfig
+from batcher.engine import Engine, StepStats
+from common.db import create_pool, notify_channel
+from common.kafka_connect import connect
+from common.kafka_security import explain
+from common.settings import Settings
+from gpu_runtime import RankFailure, Runtime, RuntimeConfig
+from gpu_runtime.planner import available_device_bytes
+from ingest.consumer import RequestIngest
+from ingest.offsets import OffsetTracker
+from ingest.partitioning import PartitionAudit
+from ingest.permissions import PermissionChecker
+from ingest.prompting import PromptBuilder
+from results.writer import ResultWriter
+from schemas import ModelDeployment
+from worker.deployments import DeploymentWatcher
+from worker.heartbeat import heartbeat
+from worker.metrics import MetricsServer, WorkerMetrics
+from worker.options import WorkerOptions, ingest_options, results_options
+from worker.requests import EventPump, HeldRequests, Router
+from worker.served_adapters import ServedAdapters
+
+log = logging.getLogger(__name__)
+
+# How often a worker checks that Kafka still lets it see its request topic.
+ACCESS_CHECK_EVERY_S = 30.0
+# Compute-config fields whose change needs the model reloaded.
+RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora_rank", "dtype")
+# Bounds of the waits that end on events.
+DRAIN_S = 30.0
+LEAVE_GROUP_S = 30.0
+HAND_OVER_S = 20.0
+
+RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
+
+
+class WorkerTaskFailed(RuntimeError):
+    """A task the worker cannot serve without died."""
+
+
+class Worker:
+    def __init__(self, settings: Settings, options: WorkerOptions,
+                 runtime_factory: RuntimeFactory = Runtime):
+        self.settings = settings
+        self.options = options
+        # A seam for fault-injection tests: they wrap the runtime's `execute`.
+        self._runtime_factory = runtime_factory
+        self.model = options.model
+        self.instance_id = options.instance_id or (
+            f"{settings.pool}-{socket.gethostname()}-{options.replica}"
+        )
+        self.tracker = OffsetTracker()
+        self.metrics = WorkerMetrics(options.model, settings.pool)
+        self.metrics_server: MetricsServer | None = None
+        self.held = HeldRequests()
+        self.deployment: ModelDeployment | None = None
+        self.runtime: Runtime | None = None
+        self.engine: Engine | None = None
+        self.ingest: RequestIngest | None = None
+        self.writer: ResultWriter | None = None  # made in `run`: it needs the event loop
+        self.pump: EventPump | None = None
+        self._serving = asyncio.Event()  # this pool is in the model's placement
+        self._reload = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.num_reloads = 0
+        self.fatal: BaseException | None = None
+        self.adapters = ServedAdapters(self.model)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.writer = ResultWriter(results_options(self.settings, self.model),
+                                   self.tracker.finish, self.metrics)
+        watcher = DeploymentWatcher(self.settings, self.model)
+        pool = await create_pool(self.settings, max_size=4)
+        checker = PermissionChecker(pool, notify_channel(self.settings.db_schema),
+                                    call_timeout_s=self.settings.client.timeout_secs)
+        self._serve_metrics()
+        try:
+            self._watch(checker.start(), "permission listener")
+            self._spawn(self._heartbeat(pool), "heartbeat")
+            await connect(self.writer.start(), self.settings, "the worker's producer")
+            await connect(watcher.start(self._on_deployment), self.settings,
+                          f"reading {self.settings.topic('control')}")
+            self._spawn(watcher.run(), "deployment watcher")
+            self.deployment = await self._until_stopped(
+                watcher.wait_for_deployment(self.options.wait_for_model_s))
+            if self.deployment is None:
+                return
+            self._apply_placement(self.deployment)
+            await self._load(self.deployment)
+            self.ingest = self._make_ingest(checker)
+            await connect(self.ingest.start(), self.settings,
+                          f"reading {self.settings.requests_topic(self.model)}")
+            self._spawn(self._consume(), "request consumer")
+            self._spawn(self.pump.run(), "event pump")  # type: ignore[union-attr]
+            self._spawn(self._commit_loop(), "offset commits")
+            self._spawn(self._gauges(), "gauges")
+            if not self._stopping.is_set():
+                self.metrics.set_ready(True)
+            await self._stopping.wait()
+        finally:
+            await self._shutdown(watcher, checker, pool)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _until_stopped(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """`work`'s result, or None if the worker is stopped (or fails) first."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        return task.result()
+
+    async def _shutdown(self, watcher: DeploymentWatcher, checker: PermissionChecker,
+                        pool: asyncpg.Pool) -> None:
+        self.metrics.set_ready(False)
+        if self.engine is not None and self.fatal is None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(DRAIN_S):
+                    await self.engine.drain()
+            if self.pump is not None:  # the drained requests' last events reach results
+                await self.pump.wait_idle(self.engine)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.writer is not None:
+            await self.writer.stop()
+        if self.ingest is not None:
+            await self.ingest.commit()
+            await self.ingest.stop()
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.close)
+        await watcher.stop()
+        await checker.close()
+        await pool.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+
+    def _serve_metrics(self) -> None:
+        try:
+            self.metrics_server = self.metrics.serve(self.settings.metrics_port)
+        except OSError as exc:  # serving matters more than being scraped
+            log.error("metrics endpoint not started on port %d: %s",
+                      self.settings.metrics_port, exc)
+            return
+        log.info("metrics on port %d", self.metrics_server.port)
+
+    # ---- watched tasks -----------------------------------------------------------------
+
+    def _spawn(self, work: Coroutine[Any, Any, Any], name: str, *,
+               runs_forever: bool = True) -> asyncio.Task[Any]:
+        return self._watch(asyncio.create_task(work, name=name), name,
+                           runs_forever=runs_forever)
+
+    def _watch(self, task: asyncio.Task[Any], name: str, *,
+               runs_forever: bool = True) -> asyncio.Task[Any]:
+        """Stop the worker if `task` fails, or ends while it should run forever."""
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._task_ended, name, runs_forever))
+        return task
+
+    def _task_ended(self, name: str, runs_forever: bool, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None and (not runs_forever or self._stopping.is_set()):
+            return
+        self._fail(f"worker task {name!r} " + ("failed" if exc is not None
+                                                else "ended unexpectedly"), exc)
+
+    def _fail(self, what: str, exc: BaseException | None) -> None:
+        why = ""
+        if exc is not None:
+            why = ": " + (explain(exc, self.settings.kafka) or f"{type(exc).__name__}: {exc}")
+        log.error("%s%s; stopping the worker (exit code 3) so that its supervisor restarts "
+                  "it", what, why, exc_info=exc)
+        self.metrics.set_ready(False)
+        if self.fatal is None:
+            self.fatal = WorkerTaskFailed(what + why)
+        self._stopping.set()
+
+    # ---- deployment ------------------------------------------------------------------
+
+    async def _load(self, dep: ModelDeployment) -> None:
+        started = time.monotonic()
+        runtime = await asyncio.to_thread(self._runtime_factory, dep.path,
+                                          self.options.runtime_config(dep))
+        self.runtime = runtime
+        self.adapters = ServedAdapters(self.model)
+        await self.adapters.load(runtime, dep.adapters)
+        slots = self.options.adapter_slots_for(dep)
+        self.engine = Engine(runtime, BatcherConfig(
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+            max_adapters_per_step=max(1, slots),
+        ), adapters=runtime.adapters if slots > 0 else None, on_step=self._on_step,
+            fatal_errors=(RankFailure,))
+        await self.engine.start()
+        self._spawn(self._watch_engine(self.engine), "engine watch", runs_forever=False)
+        if self.pump is None:
+            assert self.writer is not None
+            self.pump = EventPump(self.writer, self.held, self.engine)
+        else:
+            self.pump.switch(self.engine)
+        if self.ingest is not None:
+            self.ingest.adapters = frozenset(self.adapters.names)
+        log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
+                 sorted(self.adapters.names), time.monotonic() - started)
+
+    async def _watch_engine(self, engine: Engine) -> None:
+        """A replica whose runtime broke for good stops at once, without answering
+        its in-flight requests: their offsets stay uncommitted and another replica
+        serves them again (attempt + 1)."""
+        await engine.failed.wait()
+        if engine is self.engine:
+            self.fatal = engine.fatal
+            log.error("replica down: %s", engine.fatal)
+            self.metrics.set_ready(False)
+            self._stopping.set()
+
+    async def _sync_adapters(self, dep: ModelDeployment) -> None:
+        """Adapters added or removed while serving: no reload needed."""
+        engine, runtime = self.engine, self.runtime
+        if engine is None or runtime is None or self._reload.is_set():
+            return
+        await self.adapters.sync(runtime, engine, dep.adapters)
+        if self.ingest is not None:
+            self.ingest.adapters = frozenset(self.adapters.names)
+
+    def _apply_placement(self, dep: ModelDeployment) -> None:
+        if self.settings.pool in dep.placement.compute_pools:
+            self._serving.set()
+        else:
+            self._serving.clear()
+        if self.ingest is not None:
+            self.ingest.max_ttft_ms = dep.placement.max_ttft_ms
+
+    async def _on_deployment(self, dep: ModelDeployment | None) -> None:
+        if dep is None:
+            # Removed from the registry: stop serving (as if no pool held it) until a
+            # new registration arrives.
+            log.warning("model %s was removed: leaving its consumer group until it is "
+                        "registered again", self.model)
+            self._serving.clear()
+            return
+        previous = self.deployment
+        self.deployment = dep
+        self._apply_placement(dep)
+        if previous is None:
+            return
+        old, new = previous.compute_config, dep.compute_config
+        if any(getattr(old, f) != getattr(new, f) for f in RELOAD_FIELDS) or (
+            previous.path != dep.path
+        ):
+            self._reload.set()
+        elif previous.adapters != dep.adapters:
+            self._spawn(self._sync_adapters(dep), "adapter sync", runs_forever=False)
+
+    async def _drain_and_reload(self) -> None:
+        assert self.engine is not None and self.ingest is not None and self.deployment
+        assert self.pump is not None
+        self._reload.clear()
+        self.metrics.set_ready(False)
+        log.info("compute config changed: draining %d requests", self.engine.num_unfinished)
+        await self.engine.drain()
+        await self.pump.wait_idle(self.engine)
+        if self.writer is not None:
+            await self.writer.flush()
+        await self.ingest.commit()
+        await self.engine.stop()
+        if self.runtime is not None:
+            # Only one tensor-parallel runtime may exist per process: close first.
+            await asyncio.to_thread(self.runtime.close)
+        await self._load(self.deployment)
+        self.num_reloads += 1
+        self.metrics.set_ready(True)
+
+    # ---- requests in -----------------------------------------------------------------
+
+    def _make_ingest(self, checker: PermissionChecker) -> RequestIngest:
+        assert self.runtime is not None and self.deployment and self.writer is not None
+        prompts = PromptBuilder.for_model(self.deployment.path, self.runtime.tokenizer,
+                                          self.runtime.model_config.vocab_size)
+        router = Router(self.writer, self.held, self._current_engine,
+                        lambda: self.runtime.tokenizer if self.runtime else None)
+        ingest = RequestIngest(
+            ingest_options(self.settings, self.model, self.instance_id),
+            tracker=self.tracker, checker=checker, prompts=prompts, route=router.route,
+            on_revoked=self._on_revoked,
+            audit=PartitionAudit(lambda _partition: self.metrics.observe_misrouted_key()),
+        )
+        ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
+        ingest.adapters = frozenset(self.adapters.names)
+        return ingest
+
+    def _current_engine(self) -> Engine:
+        assert self.engine is not None
+        return self.engine
+
+    async def _consume(self) -> None:
+        assert self.ingest is not None
+        while not self._stopping.is_set():
+            if self._reload.is_set():
+                await self._drain_and_reload()
+            if not self._serving.is_set():
+                # Never subscribed when the pool is not in the placement: joining and at
+                # once leaving races the client's group coordinator.
+                if self.ingest.subscribed:
+                    await self._leave_group()
+                await self._serving.wait()
+            if not self.ingest.subscribed:
+                self.ingest.subscribe()
+            self._backpressure()
+            # Paused partitions still heartbeat; polling serves rebalances and reads
+            # partitions assigned meanwhile (never left unread, and then paused).
+            await self.ingest.poll(max_records=256)
+
+    def _backpressure(self) -> None:
+        """Pause every partition while the engine is full, resume when it is not."""
+        assert self.ingest is not None and self.engine is not None
+        consumer = self.ingest.consumer
+        if self.engine.is_full():
+            unpaused = consumer.assignment() - consumer.paused()
+            if unpaused:
+                consumer.pause(*unpaused)
+        elif consumer.paused():
+            consumer.resume(*consumer.paused())
+
+    async def _leave_group(self) -> None:
+        """This pool left the model's placement: finish what we hold, then hand the
+        partitions to the workers of the pools that remain."""
+        assert self.ingest is not None
+        log.info("pool %s is no longer in the placement of %s: leaving the group",
+                 self.settings.pool, self.model)
+        await self.held.wait_empty(LEAVE_GROUP_S)
+        if self.writer is not None:
+            await self.writer.flush()
+        await self.ingest.commit()
+        self.ingest.consumer.unsubscribe()
+        for tp in list(self.tracker.partitions):
+            self.tracker.revoke(tp)
+            self.metrics.forget_partition(tp.partition)
+
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+        """Partitions move away: finish their requests (bounded), else cancel them."""
+        gone: set[object] = set(revoked)
+        started = time.monotonic()
+        await self.held.wait_none_from(gone, HAND_OVER_S)
+        if self.engine is not None:
+            for key, ctx in self.held.items():
+                if ctx.topic_partition in gone:
+                    self.engine.cancel(key)
+        if self.ingest is not None:
+            await self.ingest.commit()
+        log.info("partitions %s revoked; handed over after %.2f s",
+                 sorted(tp.partition for tp in revoked), time.monotonic() - started)
+
+    # ---- background --------------------------------------------------------------------
+
+    def _on_step(self, stats: StepStats) -> None:
+        self.metrics.observe_step(stats.num_seqs, stats.num_tokens, stats.seconds)
+        if stats.num_adapter_loads:
+            self.metrics.add_adapter_swaps(stats.num_adapter_loads)
+
+    async def _gauges(self) -> None:
+        """Queue, KV and consumer-lag gauges, once a second; and now and then whether
+        Kafka still lets this worker see its request topic (an ACL revoked while it
+        runs would otherwise leave it reading nothing, silently)."""
+        checked = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            engine, runtime, ingest = self.engine, self.runtime, self.ingest
+            if engine is None or runtime is None or ingest is None:
+                continue
+            if time.monotonic() - checked > ACCESS_CHECK_EVERY_S:
+                checked = time.monotonic()
+                with contextlib.suppress(TimeoutError, KafkaConnectionError):
+                    await asyncio.wait_for(ingest.check_access(), 10)
+            if self.adapters.has_retired:
+                await self.adapters.drop_retired(runtime, engine)
+            self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
+            bm = runtime.block_manager
+            self.metrics.set_kv(bm.num_blocks - bm.num_free_blocks, bm.num_free_blocks)
+            for tp in ingest.consumer.assignment():
+                high, point = ingest.consumer.highwater(tp), self.tracker.commit_point(tp)
+                if high is not None:  # lag = records not yet finished
+                    self.metrics.set_lag(tp.partition, high - (point[0] if point else high))
+
+    async def _heartbeat(self, pool: asyncpg.Pool) -> None:
+        """Tell the control plane where we run and how much memory a model may use."""
+        capacity = self.options.memory_budget_bytes or await asyncio.to_thread(
+            available_device_bytes, self.options.device)
+        await heartbeat(pool, instance_id=self.instance_id, model=self.model,
+                        pool_name=self.settings.pool, device=self.options.device,
+                        device_memory_bytes=capacity)
+
+    async def _commit_loop(self) -> None:
+        assert self.ingest is not None
+        while True:
+            await asyncio.sleep(0.1)
+            await self.ingest.commit()
