@@ -34,7 +34,7 @@ A map of the room (each module says the rest):
 """
 
 from gpu_runtime.block_manager import BlockManager, block_hash
-from gpu_runtime.config import ModelConfig, RuntimeConfig
+from gpu_runtime.config import ModelConfig, RuntimeConfig, SamplingDefaults
 from gpu_runtime.errors import (
     AdapterError,
     ContextTooLongError,
@@ -75,6 +75,7 @@ __all__ = [
     "Runtime",
     "RuntimeConfig",
     "RuntimeErrorBase",
+    "SamplingDefaults",
     "SamplingParams",
     "SchedulingError",
     "SeqOutput",

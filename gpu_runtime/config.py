@@ -30,6 +30,28 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request that leaves sampling out gets: greedy, unless the model's
+    generation_config.json samples (`do_sample`), then its temperature, top_p and
+    top_k, with transformers' defaults (1.0, 1.0, 50) for those it leaves out."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_generation_config(cls, gen: dict[str, Any]) -> SamplingDefaults:
+        if not gen.get("do_sample"):
+            return cls()
+        temperature = gen.get("temperature")
+        top_p = gen.get("top_p")
+        top_k = gen.get("top_k")
+        return cls(temperature=float(1.0 if temperature is None else temperature),
+                   top_p=float(1.0 if top_p is None else top_p),
+                   top_k=int(50 if top_k is None else top_k))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -45,7 +67,8 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama's attention_bias covers o_proj too; Qwen2's does not
     mlp_bias: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends a sequence
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     torch_dtype: str | None = None
     architecture: str = "LlamaForCausalLM"
     # Sliding-window attention (Mistral; Qwen2 with use_sliding_window): a token
@@ -110,12 +133,15 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
         config = cls.from_dict(raw)
-        gen_path = Path(model_dir) / "generation_config.json"
-        if gen_path.is_file():
-            gen_eos = _int_tuple(json.loads(gen_path.read_text()).get("eos_token_id"))
-            if gen_eos:
-                config = replace(config, eos_token_ids=gen_eos)
-        return config
+        gen = _json_object(Path(model_dir) / "generation_config.json")
+        # generation_config.json's eos ids (else config.json's), and the tokenizer's eos:
+        # a chat model's end of turn may be in only one of them.
+        eos = list(_int_tuple(gen.get("eos_token_id")) or config.eos_token_ids)
+        tokenizer_eos = _tokenizer_eos_id(Path(model_dir))
+        if tokenizer_eos is not None and tokenizer_eos not in eos:
+            eos.append(tokenizer_eos)
+        return replace(config, eos_token_ids=tuple(eos),
+                       sampling_defaults=SamplingDefaults.from_generation_config(gen))
 
 
 def context_limit(config: ModelConfig, max_model_len: int | None) -> int:
@@ -143,6 +169,28 @@ def _sliding_window(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if not any(sliding):
         return {"sliding_window": None, "sliding_layers": ()}
     return {"sliding_window": int(window), "sliding_layers": sliding}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _tokenizer_eos_id(model_dir: Path) -> int | None:
+    """The id of tokenizer_config.json's `eos_token` in tokenizer.json, if both exist."""
+    eos = _json_object(model_dir / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str) or not (model_dir / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(eos)
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -82,11 +82,12 @@ class RequestChecks:
                 f"key {decision.key_id} may only use reply topics starting with {prefix!r}, "
                 f"not {reply_topic!r}")
         try:
-            token_ids = self.prompts.token_ids(request)
+            prompt = self.prompts.build(request)
         except PromptError as exc:
             return refuse(ErrorCode.INVALID_REQUEST, str(exc))
         return Admitted(request, tp, record.offset, attempt, reply_topic,
-                        admitted.arrival_time, admitted.max_ttft_ms, token_ids)
+                        admitted.arrival_time, admitted.max_ttft_ms, prompt.token_ids,
+                        prompt.chat)
 
     async def _permission(self, record: ConsumerRecord, request: InferenceRequest,
                           deadline: float) -> Decision | None:

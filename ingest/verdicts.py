@@ -14,6 +14,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from ingest.turns import ChatPrompt
 from schemas import ErrorCode, InferenceRequest
 
 
@@ -49,6 +50,8 @@ class Admitted:
     arrival_time: float  # the broker's timestamp of the record, seconds
     max_ttft_ms: int  # the tighter of the request's and the model's
     token_ids: list[int]  # empty only when it expired before it could be checked
+    chat: ChatPrompt | None = None  # a templated chat prompt, for its next turn
+
 
     @property
     def deadline(self) -> float:

@@ -26,6 +26,7 @@ class InFlight:
     max_ttft_ms: int  # what the request was allowed: reported in its timeout
     decoder: IncrementalDecoder
     num_prompt_tokens: int = 0
+    chat: Any = None  # ingest's rendered chat prompt, remembered for the next turn
     next_seq: int = 0  # of its next token event
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -29,6 +29,9 @@ class InferenceRequest(BaseModel):
     """One inference request. Exactly one of `messages`, `prompt`, `prompt_token_ids`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Left out on the wire unless given: a worker then uses the model's own defaults
+    # (generation_config.json), so "not said" must stay distinguishable from "0".
+    OMITTED_UNLESS_SET: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k")
 
     v: Literal[1] = 1
     request_id: MessageId

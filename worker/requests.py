@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from batcher import types as bt
 from batcher.engine import Engine
 from batcher.errors import EngineClosedError
-from gpu_runtime import SamplingParams
+from gpu_runtime import SamplingDefaults, SamplingParams
 from ingest.verdicts import Admitted, DeadLettered, Refused, Verdict
 from results.detokenize import IncrementalDecoder
 from results.inflight import InFlight
@@ -77,11 +77,13 @@ def engine_key(admitted: Admitted) -> str:
 
 class Router:
     def __init__(self, writer: ResultWriter, held: HeldRequests, engine_of: EngineOf,
-                 tokenizer_of: Callable[[], object]):
+                 tokenizer_of: Callable[[], object],
+                 sampling_defaults_of: Callable[[], SamplingDefaults] = SamplingDefaults):
         self._writer = writer
         self._held = held
         self._engine_of = engine_of
         self._tokenizer_of = tokenizer_of
+        self._sampling_defaults_of = sampling_defaults_of
 
     async def route(self, verdict: Verdict) -> None:
         if isinstance(verdict, DeadLettered):
@@ -106,11 +108,16 @@ class Router:
             reply_topic=admitted.reply_topic, attempt=admitted.attempt,
             arrival_time=admitted.arrival_time, max_ttft_ms=admitted.max_ttft_ms,
             decoder=IncrementalDecoder(self._tokenizer_of(), []),  # type: ignore[arg-type]
-            num_prompt_tokens=len(admitted.token_ids),
+            num_prompt_tokens=len(admitted.token_ids), chat=admitted.chat,
         )
+        # Sampling the request leaves out comes from the model's generation_config.json.
+        given, defaults = req.model_fields_set, self._sampling_defaults_of()
         params = SamplingParams(
-            max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
+            max_tokens=req.max_tokens,
+            temperature=req.temperature if "temperature" in given else defaults.temperature,
+            top_p=req.top_p if "top_p" in given else defaults.top_p,
+            top_k=req.top_k if "top_k" in given else defaults.top_k,
+            seed=req.seed, stop=tuple(req.stop),
         )
         self._held.hold(key, ctx)
         try:
@@ -127,11 +134,16 @@ class Router:
             await self._writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
 
 
+OnDone = Callable[[InFlight, bt.Finished], None]
+
+
 class EventPump:
-    def __init__(self, writer: ResultWriter, held: HeldRequests, engine: Engine):
+    def __init__(self, writer: ResultWriter, held: HeldRequests, engine: Engine,
+                 on_done: OnDone | None = None):
         self._writer = writer
         self._held = held
         self._engine = engine
+        self._on_done = on_done  # after a done event is written (the next turn's memory)
         self._switched = asyncio.Event()
         self._handling = False
         self._progress = asyncio.Condition()
@@ -189,6 +201,8 @@ class EventPump:
                     timing=Timing(queue_ms=max(0.0, t.queue_ms), ttft_ms=max(0.0, t.ttft_ms),
                                   total_ms=max(0.0, t.total_ms)),
                     adapter=event.adapter_key)
+                if self._on_done is not None:
+                    self._on_done(ctx, event)
             elif isinstance(event, bt.Failed):
                 await self._writer.error(ctx, event.code, event.message)
             elif isinstance(event, bt.Expired):

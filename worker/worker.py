@@ -33,6 +33,7 @@ import asyncpg
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaConnectionError
 
+from batcher import types as bt
 from batcher.config import BatcherConfig
 from batcher.engine import Engine, StepStats
 from common.db import create_pool, notify_channel
@@ -46,6 +47,7 @@ from ingest.offsets import OffsetTracker
 from ingest.partitioning import PartitionAudit
 from ingest.permissions import PermissionChecker
 from ingest.prompting import PromptBuilder
+from results.inflight import InFlight
 from results.writer import ResultWriter
 from schemas import ModelDeployment
 from worker.deployments import DeploymentWatcher
@@ -92,6 +94,7 @@ class Worker:
         self.runtime: Runtime | None = None
         self.engine: Engine | None = None
         self.ingest: RequestIngest | None = None
+        self.prompts: PromptBuilder | None = None
         self.writer: ResultWriter | None = None  # made in `run`: it needs the event loop
         self.pump: EventPump | None = None
         self._serving = asyncio.Event()  # this pool is in the model's placement
@@ -249,7 +252,8 @@ class Worker:
         self._spawn(self._watch_engine(self.engine), "engine watch", runs_forever=False)
         if self.pump is None:
             assert self.writer is not None
-            self.pump = EventPump(self.writer, self.held, self.engine)
+            self.pump = EventPump(self.writer, self.held, self.engine,
+                                  on_done=self._remember_turn)
         else:
             self.pump.switch(self.engine)
         if self.ingest is not None:
@@ -331,8 +335,15 @@ class Worker:
         assert self.runtime is not None and self.deployment and self.writer is not None
         prompts = PromptBuilder.for_model(self.deployment.path, self.runtime.tokenizer,
                                           self.runtime.model_config.vocab_size)
+        self.prompts = prompts
+        if prompts.template_problem is not None:
+            log.warning("chat requests will be refused: %s", prompts.template_problem)
+        else:
+            log.info("chat prompts: %s", f"the model's template ({prompts.template.origin})"
+                     if prompts.template is not None else "no chat template, plain framing")
         router = Router(self.writer, self.held, self._current_engine,
-                        lambda: self.runtime.tokenizer if self.runtime else None)
+                        lambda: self.runtime.tokenizer if self.runtime else None,
+                        lambda: self._current_runtime().model_config.sampling_defaults)
         ingest = RequestIngest(
             ingest_options(self.settings, self.model, self.instance_id),
             tracker=self.tracker, checker=checker, prompts=prompts, route=router.route,
@@ -342,6 +353,16 @@ class Worker:
         ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
         ingest.adapters = frozenset(self.adapters.names)
         return ingest
+
+    def _current_runtime(self) -> Runtime:
+        assert self.runtime is not None
+        return self.runtime
+
+    def _remember_turn(self, ctx: InFlight, event: bt.Finished) -> None:
+        """A templated chat's answer, so that its next turn is found in the KV cache."""
+        if ctx.chat is not None and self.prompts is not None and self.runtime is not None:
+            self.prompts.remember(ctx.chat, event.token_ids, ctx.decoder.text(),
+                                  self.runtime.model_config.eos_token_ids)
 
     def _current_engine(self) -> Engine:
         assert self.engine is not None

@@ -25,8 +25,9 @@ def register(app: typer.Typer) -> None:
             "--api-key", help="API key (default: SLUICE_API_KEY).")] = None,
         max_tokens: Annotated[int, typer.Option(
             "--max-tokens", help="Most tokens per answer.")] = 128,
-        temperature: Annotated[float, typer.Option(
-            "--temperature", help="Sampling temperature (0: greedy).")] = 0.0,
+        temperature: Annotated[float | None, typer.Option(
+            "--temperature", help="Sampling temperature (0: greedy; default: the "
+            "model's generation_config.json, else greedy).")] = None,
         timeout: Annotated[float | None, typer.Option(
             "--timeout", min=0.001, help="Seconds to wait for each answer (default: "
             "SLUICE_CLIENT__REQUEST_TIMEOUT_SECS).")] = None,
@@ -56,8 +57,8 @@ def register(app: typer.Typer) -> None:
             try:
                 async for event in client.stream(
                     model=model, adapter=adapter, session_id=session_id, api_key=key,
-                    messages=messages, max_tokens=max_tokens, temperature=temperature,
-                    timeout=timeout,
+                    messages=messages, max_tokens=max_tokens, timeout=timeout,
+                    **({"temperature": temperature} if temperature is not None else {}),
                 ):
                     if not show(event):
                         messages.pop()

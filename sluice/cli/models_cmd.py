@@ -1,4 +1,4 @@
-"""`sluice models ...`: the `models` command group and `make-tiny`.
+"""`sluice models ...`: the `models` command group, `import-gguf` and `make-tiny`.
 
 The control-plane subcommands (register, update, show, list) come from
 `registry_cmd.add_model_commands`; this module owns the group itself.
@@ -19,6 +19,25 @@ def register(app: typer.Typer) -> None:
     models = typer.Typer(help="Models: make a tiny one, register, configure.", no_args_is_help=True)
     app.add_typer(models, name="models")
     registry_cmd.add_model_commands(models)
+
+    @models.command("import-gguf")
+    def import_gguf_cmd(
+        gguf_file: Annotated[Path, typer.Argument(help="The .gguf file.")],
+        directory: Annotated[Path, typer.Argument(help="New folder to write the model into.")],
+        dtype: Annotated[str, typer.Option(
+            "--dtype", help="float32 | bfloat16 | float16: the weights written.")] = "float32",
+    ) -> None:
+        """Turn a GGUF file into a model folder sluice serves (weights dequantized).
+
+        Reads the file with transformers and the gguf package; writes config.json,
+        generation_config.json, model.safetensors and the tokenizer with its chat template.
+        """
+        from sluice.gguf_import import GgufImportError, import_gguf
+
+        try:
+            import_gguf(gguf_file, directory, dtype=dtype, say=typer.echo)
+        except GgufImportError as exc:
+            raise fail(str(exc), 2) from None
 
     @models.command("make-tiny")
     def make_tiny_cmd(

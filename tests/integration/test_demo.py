@@ -26,7 +26,9 @@ def test_demo_runs_end_to_end(broker, request, unique_name, tmp_path) -> None:
     }
     result = subprocess.run(
         [sys.executable, "-m", "sluice", "demo", "--workdir", str(tmp_path),
-         "--conversations", "3", "--bulk", "8"],
+         "--conversations", "3", "--bulk", "8",
+         # the real model's chat once (on the plaintext broker): it adds ~20 s
+         "--real-model" if broker == "plaintext" else "--no-real-model"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -53,3 +55,7 @@ def test_demo_runs_end_to_end(broker, request, unique_name, tmp_path) -> None:
     assert answers[("base", "How does the water reach the sea?")] == BASE_ANSWERS[2]
     assert answers[("terse", "What lives along its banks?")] == VOICES["terse"][1]
     assert answers[("poet", "Where does the river begin?")] == VOICES["poet"][0]
+    if broker == "plaintext":  # SmolLM2-135M-Instruct, its template, ended by its eos
+        real = result.stdout[result.stdout.index("a real model:"):]
+        assert "Paris" in real and "Berlin" in real, real
+        assert real.count("finish stop") == 2, real

@@ -208,3 +208,17 @@ def test_export_writes_a_schema_per_message(tmp_path) -> None:
     assert "inference_request.schema.json" in names and "reply_event.schema.json" in names
     schema = orjson.loads((tmp_path / "inference_request.schema.json").read_bytes())
     assert "request_id" in schema["properties"]
+
+
+def test_sampling_left_out_stays_left_out_on_the_wire() -> None:
+    import orjson
+
+    from schemas import InferenceRequest, decode, encode
+
+    plain = InferenceRequest(request_id="r", model="m", prompt="hi")
+    wire = orjson.loads(encode(plain))
+    assert not {"temperature", "top_p", "top_k"} & wire.keys()
+    assert decode(InferenceRequest, encode(plain)).model_fields_set.isdisjoint({"temperature"})
+    greedy = InferenceRequest(request_id="r", model="m", prompt="hi", temperature=0.0)
+    assert orjson.loads(encode(greedy))["temperature"] == 0.0
+    assert "temperature" in decode(InferenceRequest, encode(greedy)).model_fields_set

@@ -107,3 +107,27 @@ async def test_waits_end_on_events_or_time_out(flow) -> None:
     await asyncio.sleep(0)
     await held.release("k")
     assert await asyncio.wait_for(waiting, 1)
+
+
+async def test_sampling_left_out_comes_from_the_models_generation_config() -> None:
+    from gpu_runtime import SamplingDefaults
+
+    submitted = []
+
+    class RecordingEngine:
+        def submit(self, request) -> None:
+            submitted.append(request.params)
+
+    producer = FakeProducer(topics={"replies"})
+    writer = ResultWriter(ResultsOptions("tiny", "t", "d", {}, 1.0), lambda tp, o: None,
+                          producer=producer)
+    router = Router(writer, HeldRequests(), lambda: RecordingEngine(), lambda: None,
+                    lambda: SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20))
+    base = dict(model="tiny", prompt_token_ids=[1, 2], reply_topic="replies")
+    for offset, fields in enumerate(({}, {"temperature": 0.0, "top_k": 5})):
+        request = InferenceRequest(request_id=f"s-{offset}", **base, **fields)
+        await router.route(Admitted(request, TP, offset, 0, "replies", time.time(), 60_000,
+                                    [1, 2]))
+    left_out, given = submitted
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 20)
+    assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.9, 5)

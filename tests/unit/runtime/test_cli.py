@@ -42,6 +42,21 @@ def test_make_tiny_then_generate_json(tmp_path):
     assert a.exit_code == 0 and json.loads(a.stdout) == json.loads(b.stdout)
     assert runner.invoke(app, [*args, "--quantization", "fp8", "--json"]).exit_code == 0
 
+    # --messages: a chat as a request's `messages` becomes ids (this model has no
+    # template: the plain framing), and --json shows those ids.
+    from tokenizers import Tokenizer
+
+    from ingest.prompting import PromptBuilder
+
+    chat = [{"role": "user", "content": "Hello world"}]
+    res = runner.invoke(app, ["generate", "--model-path", str(model), "--messages",
+                              json.dumps(chat), "--max-tokens", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    builder = PromptBuilder.for_model(model, tok, tok.get_vocab_size())
+    assert json.loads(res.stdout)["prompt_token_ids"] == builder.chat(
+        [("user", "Hello world")]).token_ids
+
 
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     runner = CliRunner()
@@ -52,6 +67,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
         ["--model-path", str(model), "--prompt-ids", "1,x"],
         ["--model-path", str(model), "--prompt-ids", "1,100000"],
         ["--model-path", str(model)],
+        ["--model-path", str(model), "--messages", '{"role": "user"}'],
+        ["--model-path", str(model), "--messages", "[]", "--prompt", "x"],
     ]
     for extra in cases:
         res = runner.invoke(app, ["generate", *extra])
@@ -120,3 +137,20 @@ def test_every_option_is_explained_and_flags_show_no_type() -> None:
         res = runner.invoke(app, [*name.split(), "--help"], env={"COLUMNS": "160"})
         assert res.exit_code == 0, res.output
         assert "<bool>" not in res.output, f"sluice {name} --help:\n{res.output}"
+
+
+def test_import_gguf_errors_are_one_line(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["models", "import-gguf", str(tmp_path / "no.gguf"),
+                              str(tmp_path / "out")])
+    assert res.exit_code == 2 and "no such file" in res.output, res.output
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
+    res = runner.invoke(app, ["models", "import-gguf", str(tmp_path / "bad.gguf"),
+                              str(tmp_path / "taken")])
+    assert res.exit_code == 2 and "not an empty folder" in res.output, res.output
+    res = runner.invoke(app, ["models", "import-gguf", str(tmp_path / "bad.gguf"),
+                              str(tmp_path / "out")])
+    assert res.exit_code == 2 and "could not read" in res.output, res.output
+    assert "Traceback" not in res.output and not (tmp_path / "out").exists()
