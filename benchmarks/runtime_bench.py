@@ -94,7 +94,11 @@ def _prefill_tps(rt: Runtime, sync: Callable[[], None]) -> float:
     return 8 * PROMPT_LEN / seconds
 
 
-def _hf_decode_tps(path: Path, batch: int, steps: int, device: str) -> float | None:
+def _hf_decode_tps(path: Path, batch: int, steps: int, device: str,
+                   compiled: bool = False) -> float | None:
+    """HF `generate` decode tokens/s; `compiled`: the gpt-fast recipe any user can copy
+    (a static KV cache and `torch.compile` of the forward pass; CUDA graphs on CUDA),
+    its compile warm-up excluded (reported by `_hf_compiled`)."""
     try:
         from transformers import LlamaForCausalLM
     except ImportError:
@@ -102,21 +106,36 @@ def _hf_decode_tps(path: Path, batch: int, steps: int, device: str) -> float | N
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor(_prompts(batch, model.config.vocab_size), device=device)
+    extra: dict[str, object] = {}
+    if compiled:
+        mode = "reduce-overhead" if device.startswith("cuda") else None
+        model.forward = torch.compile(model.forward, mode=mode, dynamic=False)
+        extra["cache_implementation"] = "static"
 
     def gen(n: int) -> Callable[[], object]:
-        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
         return lambda: model.generate(ids, **kw)
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     steps = max(steps, 16)  # enough decode steps that the prefill-only run is small beside them
     with torch.inference_mode():
-        gen(2)()
+        warm_start = time.perf_counter()
+        if compiled:  # compile the prefill and decode shapes first
+            gen(steps + 1)()
+            gen(1)()
+            _hf_compiled.warmup_s = time.perf_counter() - warm_start
+        else:
+            gen(2)()
         t1 = min(_timed(gen(1), sync) for _ in range(3))
         tn = min(_timed(gen(steps + 1), sync) for _ in range(2))
     if tn - t1 > 0.2 * tn:
         return batch * steps / (tn - t1)
     # Too noisy to subtract the prefill: report the whole run's rate (a lower bound).
     return batch * (steps + 1) / tn
+
+
+class _hf_compiled:  # a namespace: the last compile warm-up
+    warmup_s: float | None = None
 
 
 def measure_read_bandwidth(device: str, dtype: torch.dtype, num_bytes: int,
@@ -183,6 +202,9 @@ def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
         decode = {b: _decode_tps(rt, b, steps, sync) for b in batches}
         prefill = _prefill_tps(rt, sync)
         hf = {b: _hf_decode_tps(path, b, steps, device) for b in (1, 8)}
+        # The compiled baseline takes minutes to compile on a CPU: full runs only.
+        hf_compiled = None if quick else _hf_decode_tps(path, 1, steps, device, compiled=True)
+        hf_compile_warmup_s = None if quick else _hf_compiled.warmup_s
     bw = limits["memory_bandwidth_bytes_s"]
     return {
         "device": device,
@@ -193,6 +215,9 @@ def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
         "decode_tokens_s": decode,
         "prefill_tokens_s": prefill,
         "hf_generate_decode_tokens_s": hf,
+        "hf_static_cache_compiled_decode_tokens_s": {1: hf_compiled},
+        "hf_compile_warmup_s": hf_compile_warmup_s,
+        "batch1_vs_hf_compiled": (decode[1] / hf_compiled) if hf_compiled else None,
         "memory_bandwidth_gb_s": bw / 1e9,
         "copy_bandwidth_gb_s": limits["copy_bandwidth_bytes_s"] / 1e9,
         "matmul_gflops": {b: f / 1e9 for b, f in limits["matmul_flops"].items()},

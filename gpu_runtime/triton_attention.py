@@ -98,6 +98,14 @@ def _check_inputs(
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
 
+def launch_constants(num_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int) -> dict[str, int]:
+    """The kernel's compile-time constants for a model and KV block size (also what the
+    ahead-of-time compile check in the tests builds for the GPU)."""
+    return {"GROUP": num_heads // num_kv_heads, "BLOCK_SIZE": block_size,
+            "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim)}
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -120,8 +128,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, out, block_tables, token_seq_idx, token_ctx_len, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        **launch_constants(num_heads, k_cache.shape[2], head_dim, k_cache.shape[1]),
     )  # fmt: skip
     return out
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16
+EXPAND_BLOCK_N = 64
 
 
 @triton.jit
@@ -147,6 +148,22 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))  # tl.dot wants every side >= 16
+
+
+def shrink_constants(rank: int, dtype: torch.dtype) -> dict[str, object]:
+    """The shrink kernel's compile-time constants (also compiled ahead of time for the
+    GPU by the tests)."""
+    return {"BLOCK_M": BLOCK_M, "BLOCK_R": _block_r(rank), "BLOCK_K": 32,
+            "PRECISION": _precision(dtype)}
+
+
+def expand_constants(rank: int, dtype: torch.dtype) -> dict[str, object]:
+    return {"BLOCK_M": BLOCK_M, "BLOCK_R": _block_r(rank), "BLOCK_N": EXPAND_BLOCK_N,
+            "PRECISION": _precision(dtype)}
+
+
 def lora_shrink_triton(
     x: torch.Tensor,
     a_stack: torch.Tensor,
@@ -164,8 +181,7 @@ def lora_shrink_triton(
     _shrink_kernel[grid](
         x, a_stack, out, seg_starts, seg_slots, x.shape[1], rank,
         x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=32,
-        PRECISION=_precision(x.dtype),
+        **shrink_constants(rank, x.dtype),
     )  # fmt: skip
     return out
 
@@ -183,13 +199,11 @@ def lora_expand_triton(
     if len(seg_slots) == 0 or max_seg_len == 0:
         return
     rank, n = b_stack.shape[1], b_stack.shape[2]
-    block_n = 64
-    grid = (len(seg_slots), triton.cdiv(max_seg_len, BLOCK_M), triton.cdiv(n, block_n))
+    grid = (len(seg_slots), triton.cdiv(max_seg_len, BLOCK_M), triton.cdiv(n, EXPAND_BLOCK_N))
     _expand_kernel[grid](
         xa, b_stack, y, seg_starts, seg_slots, n, rank,
         xa.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=block_n,
-        PRECISION=_precision(b_stack.dtype),
+        **expand_constants(rank, b_stack.dtype),
     )  # fmt: skip
 
 

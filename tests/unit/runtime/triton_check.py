@@ -1,4 +1,5 @@
-"""Run as `TRITON_INTERPRET=1 python -m tests.unit.runtime.triton_check`: Triton vs torch reference.
+"""Run as `TRITON_INTERPRET=1 python -m tests.unit.runtime.triton_check` (or with
+`--device cuda` on a GPU): Triton vs torch reference.
 
 A separate process because TRITON_INTERPRET must be set before triton is
 imported, and other tests may already have imported it.
@@ -37,15 +38,29 @@ def make_case(seed: int = 0, head_dim: int = 24, block_size: int = 16):
     )
 
 
+def _device() -> str:
+    """`--device cuda` runs the compiled kernels on the GPU (benchmarks/gpu.sh); on the
+    CPU they run in Triton's interpreter, which must be switched on before import."""
+    import sys
+
+    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1 (or pass --device cuda)")
+    return device
+
+
+def _on(device: str, case: tuple) -> tuple:
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case)
+
+
 def main() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("set TRITON_INTERPRET=1")
+    device = _device()
     from gpu_runtime.triton_attention import paged_attention_reference, paged_attention_triton
 
     # Windows: none; inside one block; exactly a block; across a block boundary.
     for seed, head_dim, window in ((0, 24, None), (1, 32, None), (2, 24, 5), (3, 24, 16),
                                    (4, 32, 20)):
-        args = make_case(seed, head_dim)
+        args = _on(device, make_case(seed, head_dim))
         got = paged_attention_triton(*args, window=window)
         ref = paged_attention_reference(*args, window=window)
         diff = (got - ref).abs().max().item()
