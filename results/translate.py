@@ -39,12 +39,12 @@ class Translator:
     deadletter_topic: str
 
     def tokens(self, ctx: InFlight, token_ids: list[int]) -> WireRecord | None:
-        """A token event (None when the request is not streamed); the detokenizer sees
+        """A token event (None when the request is not streamed); the detokenizer keeps
         every token either way, so the done event's text is complete."""
-        text = ctx.decoder.push(token_ids)
         if not ctx.request.stream:
+            ctx.decoder.ids.extend(token_ids)  # decoded once, for the done event
             return None
-        return self._token_event(ctx, token_ids, text)
+        return self._token_event(ctx, token_ids, ctx.decoder.push(token_ids))
 
     def _token_event(self, ctx: InFlight, token_ids: list[int], text: str) -> WireRecord:
         event = TokenEvent(request_id=ctx.request_id, attempt=ctx.attempt, seq=ctx.next_seq,

@@ -156,26 +156,36 @@ class EventPump:
     async def run(self) -> None:
         while True:
             engine = self._engine
-            getter = asyncio.ensure_future(engine.next_event())
-            switched = asyncio.ensure_future(self._switched.wait())
-            try:
-                await asyncio.wait({getter, switched}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                switched.cancel()
-                if not getter.done():
-                    getter.cancel()
-            if not getter.done() or getter.cancelled():
-                self._switched.clear()
-                continue
+            try:  # events already queued are taken without a wait (a step emits many)
+                event = engine.events.get_nowait()
+            except asyncio.QueueEmpty:
+                event = await self._next_or_switch(engine)
+                if event is None:
+                    continue
             self._handling = True
             try:
-                await self._handle(getter.result())
+                await self._handle(event)
             except Exception:
                 log.exception("writing an event failed")
             finally:
                 self._handling = False
                 async with self._progress:
                     self._progress.notify_all()
+
+    async def _next_or_switch(self, engine: Engine) -> bt.Event | None:
+        """The engine's next event, or None when `switch` gave the pump another engine."""
+        getter = asyncio.ensure_future(engine.next_event())
+        switched = asyncio.ensure_future(self._switched.wait())
+        try:
+            await asyncio.wait({getter, switched}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            switched.cancel()
+            if not getter.done():
+                getter.cancel()
+        if not getter.done() or getter.cancelled():
+            self._switched.clear()
+            return None
+        return getter.result()
 
     async def wait_idle(self, engine: Engine, timeout_s: float = 30.0) -> bool:
         """Until every event `engine` has emitted is handed to results."""
