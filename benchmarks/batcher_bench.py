@@ -32,29 +32,15 @@ from safetensors.torch import save_file
 from batcher.config import BatcherConfig, OrderingPolicy
 from batcher.engine import Engine
 from batcher.types import TERMINAL_EVENT_TYPES, Expired, Finished, Request, RequestClass
+from benchmarks.runtime_bench import SMOLLM_135M as RUNTIME_SMOLLM_135M
 from gpu_runtime import Runtime, RuntimeConfig
 from gpu_runtime.sequence import SamplingParams
 from gpu_runtime.tiny import random_llama_weights
 
-SMOLLM_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "dtype": "float32",
-}
+# The runtime benchmark's SmolLM-135M shape, with the fields a loader and its
+# stop tokens need here.
+SMOLLM_135M = dict(RUNTIME_SMOLLM_135M, model_type="llama", hidden_act="silu",
+                   bos_token_id=1, eos_token_id=2, dtype="float32")
 
 
 @dataclass(frozen=True, slots=True)

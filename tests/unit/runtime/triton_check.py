@@ -38,7 +38,7 @@ def make_case(seed: int = 0, head_dim: int = 24, block_size: int = 16):
     )
 
 
-def _device() -> str:
+def check_device() -> str:
     """`--device cuda` runs the compiled kernels on the GPU (benchmarks/gpu.sh); on the
     CPU they run in Triton's interpreter, which must be switched on before import."""
     import sys
@@ -49,18 +49,18 @@ def _device() -> str:
     return device
 
 
-def _on(device: str, case: tuple) -> tuple:
+def on_device(device: str, case: tuple) -> tuple:
     return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case)
 
 
 def main() -> None:
-    device = _device()
+    device = check_device()
     from gpu_runtime.triton_attention import paged_attention_reference, paged_attention_triton
 
     # Windows: none; inside one block; exactly a block; across a block boundary.
     for seed, head_dim, window in ((0, 24, None), (1, 32, None), (2, 24, 5), (3, 24, 16),
                                    (4, 32, 20)):
-        args = _on(device, make_case(seed, head_dim))
+        args = on_device(device, make_case(seed, head_dim))
         got = paged_attention_triton(*args, window=window)
         ref = paged_attention_reference(*args, window=window)
         diff = (got - ref).abs().max().item()

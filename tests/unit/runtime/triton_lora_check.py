@@ -6,8 +6,6 @@ A separate process because TRITON_INTERPRET must be set before triton is importe
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 
@@ -25,23 +23,10 @@ def make_case(seed: int = 0, k: int = 40, n: int = 72, rank: int = 12):
     return x, a_stack, b_stack, y, seg_starts, seg_slots, 19
 
 
-def _device() -> str:
-    """`--device cuda` runs the compiled kernels on the GPU (benchmarks/gpu.sh); on the
-    CPU they run in Triton's interpreter, which must be switched on before import."""
-    import sys
-
-    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("set TRITON_INTERPRET=1 (or pass --device cuda)")
-    return device
-
-
-def _on(device: str, case: tuple) -> tuple:
-    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case)
-
-
 def main() -> None:
-    device = _device()
+    from tests.unit.runtime.triton_check import check_device, on_device
+
+    device = check_device()
     from gpu_runtime.triton_lora import (
         lora_expand_reference,
         lora_expand_triton,
@@ -50,7 +35,7 @@ def main() -> None:
     )
 
     for seed, (k, n, rank) in enumerate(((40, 72, 12), (64, 32, 16))):
-        x, a, b, y, starts, slots, max_len = _on(device, make_case(seed, k, n, rank))
+        x, a, b, y, starts, slots, max_len = on_device(device, make_case(seed, k, n, rank))
         xa = lora_shrink_triton(x, a, starts, slots, max_len)
         xa_ref = lora_shrink_reference(x, a, starts, slots, max_len)
         shrink_diff = (xa - xa_ref).abs().max().item()
