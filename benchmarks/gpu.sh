@@ -6,7 +6,8 @@
 #     constants (what the compiler requires; also runs without a GPU, in the suite)
 #  2. the paged-attention and LoRA kernels, compiled and run on the GPU, vs the torch
 #     reference
-#  3. the runtime vs transformers (+ PEFT) on the GPU, tp=1 (and tp=2 with two GPUs)
+#  3. the runtime vs transformers (+ PEFT) on the GPU, tp=1 (and tp=2 with two GPUs),
+#     eager and with the compiled decode step
 #  4. `python -m benchmarks.gpu`: a Llama-3-8B-shaped random-weight model, bf16 and
 #     fp8, decode at batch 1/16/64/256, prefill, 4 LoRA adapters vs none, and the
 #     fraction of the H200's 4.8 TB/s HBM reached at batch 1 (a table, and JSON)
@@ -29,6 +30,7 @@ if [ "$device" = cuda ]; then
   "$py" -m tests.unit.runtime.triton_lora_check --device cuda
   step "3/4 runtime vs transformers/PEFT on the GPU"
   "$py" -m benchmarks.tp_check --device cuda --tp 1
+  "$py" -m benchmarks.tp_check --device cuda --tp 1 --compile
   gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
   if [ "$gpus" -ge 2 ]; then "$py" -m benchmarks.tp_check --device cuda --tp 2; fi
 else

@@ -84,9 +84,11 @@ async def served_model(model_dir: Path, device: str) -> AsyncIterator[Served]:
     worker: Worker | None = None
     try:
         key = await asyncio.to_thread(_setup, client, model_dir)
+        # Eager steps, like the in-process baseline's runtime: these scenarios measure
+        # what Kafka adds, not the compiled step (`sluice bench runtime` does).
         worker = Worker(settings, WorkerOptions(
             model=MODEL, device=device, instance_id=tag,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, compile=False))
         worker_task = asyncio.create_task(worker.run())
         # One request first, so the measurements see a joined, warmed-up worker.
         async with asyncio.timeout(180):

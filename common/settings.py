@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     topic_prefix: str = Field(default="sluice", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     pool: str = Field(default="default", pattern=POOL_PATTERN)
+    # SLUICE_COMPILE: this host's workers compile the decode step (1) or not (0) whatever
+    # the models' compute configs say; unset: the compute config decides.
+    compile: bool | None = None
     reply_topic_pattern: str | None = None
     server: ServerSettings = Field(default_factory=ServerSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)

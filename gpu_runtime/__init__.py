@@ -21,7 +21,8 @@ A map of the room (each module says the rest):
 - `sequence.py`: the plain data in and out (`SamplingParams`, `Sequence`,
   `StepPlan`, `StepOutput`).
 - `model.py`, `layers.py`, `attention.py`, `runner.py`: the model in plain
-  torch, one ragged step; `triton_attention.py`: the paged-attention kernel.
+  torch, one ragged step; `triton_attention.py`: the paged-attention kernel;
+  `compiled.py`: all-decode steps through `torch.compile`, eager fallback.
 - `lora.py`, `lora_format.py`, `adapters.py`, `triton_lora.py`: multi-LoRA (PEFT
   format, device slots, kernels); `fp8.py`: FP8 weights, quantized as they load.
 - `parallel.py`, `ranks.py`: tensor parallelism (parallel layers with the

@@ -18,6 +18,11 @@ already cached).
 Sliding-window layers (`window` = W) let the token at position p see keys
 (p - W, p] only: decodes use the step's windowed key mask, prefill chunks
 gather only the keys some row of the chunk can see.
+
+Inside a compiled decode step (`compiled.py`) the cache write and the decode
+attention are opaque custom ops (`sluice::write_kv`, `sluice::decode_attention`,
+`sluice::triton_decode_attention`): the compiler fuses the code around them and
+the cache is written in place, never copied.
 """
 
 from __future__ import annotations
@@ -122,3 +127,60 @@ def paged_attention(
         rows = slice(chunk.start, chunk.end)
         out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale, window)
     return out
+
+
+# ---- the same, as opaque ops of a compiled graph ------------------------------------
+
+
+@torch.library.custom_op("sluice::write_kv", mutates_args=("kv",))
+def _write_kv_op(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    write_kv(kv, k, v, slots)
+
+
+@torch.library.custom_op("sluice::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return decode_attention(q, kv, block_tables, mask, scale)
+
+
+@_decode_attention_op.register_fake
+def _(q, kv, block_tables, mask, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("sluice::triton_decode_attention", mutates_args=())
+def _triton_decode_attention_op(
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor,
+    ctx_len: torch.Tensor, scale: float, window: int | None,
+) -> torch.Tensor:
+    from gpu_runtime.triton_attention import paged_attention_triton
+
+    return paged_attention_triton(
+        q, kv[0], kv[1], block_tables, seq_idx, ctx_len, scale, window=window
+    )
+
+
+@_triton_decode_attention_op.register_fake
+def _(q, kv, block_tables, seq_idx, ctx_len, scale, window):
+    return torch.empty_like(q)
+
+
+def compiled_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    ctx: StepContext,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`write_kv` + `paged_attention` of an all-decode step, traced as two custom ops."""
+    torch.ops.sluice.write_kv(kv, k, v, ctx.slot_mapping)
+    if ctx.use_triton:
+        return torch.ops.sluice.triton_decode_attention(
+            q, kv, ctx.block_tables, ctx.token_seq_idx, ctx.token_ctx_len, scale, window
+        )
+    mask = ctx.decode_mask if window is None else ctx.decode_window_mask
+    return torch.ops.sluice.decode_attention(q, kv, ctx.decode_block_tables, mask, scale)

@@ -240,3 +240,6 @@ class RuntimeConfig:
     max_lora_rank: int = 64  # slot capacity; adapters of higher rank are refused
     tp: int = 1  # ranks (processes, GPUs) this replica is split over; see ranks.py
     tp_timeout_s: float = 120.0  # a collective waiting longer on a hung rank: RankFailure
+    # All-decode steps through torch.compile (compiled.py); call `Runtime.warm_up` to
+    # compile before the first request instead of during it.
+    compile: bool = False

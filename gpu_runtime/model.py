@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_runtime.attention import paged_attention, write_kv
+from gpu_runtime.attention import compiled_decode_attention, paged_attention, write_kv
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.context import StepContext
 from gpu_runtime.layers import Linear, RMSNorm, apply_rope, rope_cache
@@ -42,8 +42,11 @@ class Attention(nn.Module):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         kv = ctx.kv_caches[self.layer_idx]
-        write_kv(kv, k, v, ctx.slot_mapping)
-        out = paged_attention(q, k, v, kv, ctx, self.scale, self.window)  # [T, H, D]
+        if torch.compiler.is_compiling():  # an all-decode step (compiled.py)
+            out = compiled_decode_attention(q, k, v, kv, ctx, self.scale, self.window)
+        else:
+            write_kv(kv, k, v, ctx.slot_mapping)
+            out = paged_attention(q, k, v, kv, ctx, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.reshape(num_rows, -1), ctx)
 
 

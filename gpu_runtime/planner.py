@@ -152,7 +152,7 @@ def plan_for(config: ModelConfig, req: MemoryRequest, available_bytes: int) -> M
         kv_cache_len=req.kv_cache_len,
         block_size=req.block_size,
         num_blocks=num_blocks,
-        kv_cache_bytes=num_blocks * req.block_size * per_token,
+        kv_cache_bytes=(num_blocks + 1) * req.block_size * per_token,  # + the scratch block
         activation_reserve_bytes=activation_reserve_bytes(config, req),
         lora_slot_bytes=lora_slot_bytes(config, req),
     )

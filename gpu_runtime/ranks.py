@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpu_runtime.adapters import AdapterManager
+from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.config import ModelConfig, RuntimeConfig
 from gpu_runtime.errors import ModelLoadError, RankFailure
 from gpu_runtime.loader import load_model
@@ -154,7 +155,7 @@ def build_shard(
         mc, lora_layers, config.max_adapters, config.max_lora_rank, dtype,
         pin_memory=device.type == "cuda", layout=layout,
     )  # fmt: skip
-    runner = ModelRunner(model, num_blocks, config.block_size, max_model_len)
+    runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, config.compile)
     return runner, adapters
 
 
@@ -355,6 +356,13 @@ class TPRunner:
     @property
     def kv_caches(self) -> list[torch.Tensor]:
         return self.local.kv_caches
+
+    @property
+    def compiled(self) -> CompiledStep | None:
+        return self.local.compiled
+
+    def warm_up_steps(self) -> list[list[ScheduledSeq]]:
+        return self.local.warm_up_steps()
 
     def forward(self, seqs: list[ScheduledSeq], rows_to_sample: list[int]) -> torch.Tensor:
         """As `ModelRunner.forward`; every rank computes the same rows of its shard."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.context import LoraBatch, PrefillChunk, StepContext
 from gpu_runtime.model import CausalLM
 
@@ -37,7 +38,8 @@ def _triton_available() -> bool:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int
+        self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
+        compile: bool = False,
     ) -> None:
         config = model.config
         param = next(model.parameters())
@@ -47,12 +49,18 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = config.sliding_window
         self.use_triton = self.device.type == "cuda" and _triton_available()
+        self.max_model_len = max_model_len
         model.init_rope(max_model_len, self.device)
-        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # One block more than the block manager hands out: the scratch block that
+        # `warm_up` writes into, so compiling never touches a sequence's cache.
+        self.scratch_block = num_blocks
+        shape = (2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(config.num_layers)
         ]
+        self.compiled = CompiledStep(model.forward) if compile else None
+        self.step = self.compiled or model.forward
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -104,7 +112,9 @@ class ModelRunner:
     def _add_decode_inputs(
         self, ctx: StepContext, tables: list[list[int]], lens: list[int]
     ) -> None:
-        max_blocks = max(len(t) for t in tables)
+        # Compiled steps see at least two columns: dynamo would compile a graph of its
+        # own for one-column tables (it specialises size 1), doubling the warm-up.
+        max_blocks = max(2 if self.compiled else 1, *(len(t) for t in tables))
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         ctx.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
         keys = torch.arange(max_blocks * self.block_size, device=self.device)
@@ -169,8 +179,15 @@ class ModelRunner:
         `parallel.VocabParallelLMHead`); the other ranks' return value is unused.
         """
         input_ids, ctx, last_rows = self.build_context(seqs)
-        hidden = self.model(input_ids, ctx)  # [T, hidden]
+        hidden = self.step(input_ids, ctx)  # [T, hidden]
         if not rows_to_sample:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = torch.tensor([last_rows[i] for i in rows_to_sample], device=self.device)
         return self.model.compute_logits(hidden[index], ctx)
+
+    def warm_up_steps(self) -> list[list[ScheduledSeq]]:
+        """All-decode steps on the scratch block that compile both decode graphs
+        (batch 1, and more: dynamo specialises size 1)."""
+        # Three blocks for two rows: equal sizes would be tied in the graph (duck sizing).
+        seq = ScheduledSeq([0], 0, [self.scratch_block] * 3)
+        return [[seq], [seq, seq]]

@@ -12,6 +12,7 @@ lives here only, unchanged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -107,6 +108,24 @@ class Runtime:
     def helper_pids(self) -> list[int]:
         """Process ids of ranks 1..tp-1 (empty at tp=1)."""
         return self.ranks.pids if self.ranks is not None else []
+
+    def warm_up(self) -> float | None:
+        """Compile the decode step now (`RuntimeConfig.compile`); returns the seconds it
+        took, None when the runtime steps eagerly. Touches no sequence's cache."""
+        compiled = self.runner.compiled
+        if compiled is None:
+            return None
+        started = time.perf_counter()
+        for seqs in self.runner.warm_up_steps():
+            self.runner.forward(seqs, [])
+        compiled.warmup_s = time.perf_counter() - started
+        return compiled.warmup_s
+
+    @property
+    def compile_failure(self) -> str | None:
+        """Why the compiled step was given up for eager steps; None if it was not."""
+        compiled = self.runner.compiled
+        return compiled.failure if compiled is not None else None
 
     # ---- queries --------------------------------------------------------------------
 

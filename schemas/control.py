@@ -22,6 +22,9 @@ class ComputeConfig(BaseModel):
     max_lora_rank: int = Field(default=64, ge=1, le=1024)
     quantization: Literal["none", "fp8"] = "none"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # All-decode steps through torch.compile. None (auto): on for CPU workers, where it
+    # is measured to win; off on CUDA until `benchmarks/gpu.sh` has measured it there.
+    compile: bool | None = None
 
 
 class Placement(BaseModel):

@@ -205,7 +205,8 @@ async def _real_model_chat(settings: Settings, client: Client, console: Console)
     await asyncio.to_thread(client.keys.grant, key, model=model)
     console.print(f"\na real model: [bold]{model}[/] (SmolLM2-135M-Instruct, its ChatML "
                   "template, greedy)")
-    worker = Worker(settings, WorkerOptions(model=model, instance_id=f"demo-{os.getpid()}-r"))
+    worker = Worker(settings, WorkerOptions(model=model, instance_id=f"demo-{os.getpid()}-r",
+                                            compile=False))  # eager: see run_demo
     worker_task = asyncio.create_task(worker.run())
     cached = 0
     try:
@@ -244,7 +245,10 @@ async def run_demo(settings: Settings, workdir: Path, *, conversations: int = 4,
     client = Client(settings)
     model, key, adapters = await asyncio.to_thread(_register, client, model_dir, adapter_dirs)
     console.print(f"model [bold]{model}[/] at {model_dir}; adapters: {adapters or 'none'}")
-    worker = Worker(settings, WorkerOptions(model=model, instance_id=f"demo-{os.getpid()}"))
+    # Eager steps: the demo is over in seconds, a compile warm-up would dominate it
+    # (`sluice worker` compiles on CPU by default).
+    worker = Worker(settings, WorkerOptions(model=model, instance_id=f"demo-{os.getpid()}",
+                                            compile=False))
     worker_task = asyncio.create_task(worker.run())
     try:
         # One request first, so the summary measures serving, not start-up.

@@ -9,6 +9,10 @@ each other's data.
 fixtures against the secure local broker (`sluice infra up --secure`: SASL_SSL
 with SCRAM, or mutual TLS; PostgreSQL over TLS). The tests of security itself
 start their own secure broker (`secure_endpoints`).
+
+Workers started by the suite step eagerly (`SLUICE_COMPILE=0`): compiling the
+decode step costs seconds at every worker start. The compiled step has its own
+tests (`tests/parity/test_compiled_step.py`, a pipeline test that clears it).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+os.environ.setdefault("SLUICE_COMPILE", "0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ class WorkerOptions:
     memory_budget_bytes: int | None = None
     adapter_slots: int | None = None  # None: the compute config's max_adapters
     wait_for_model_s: float = 600.0
+    compile: bool | None = None  # None: SLUICE_COMPILE, else the compute config, else auto
 
     def adapter_slots_for(self, dep: ModelDeployment) -> int:
         if self.adapter_slots is not None:
@@ -43,7 +44,17 @@ class WorkerOptions:
             return f"cuda:{self.replica * self.tp_for(dep)}"
         return self.device
 
-    def runtime_config(self, dep: ModelDeployment) -> RuntimeConfig:
+    def compile_for(self, dep: ModelDeployment, host_default: bool | None = None) -> bool:
+        """`--compile/--no-compile`, else the host's SLUICE_COMPILE, else the compute
+        config, else on for CPU (where it is measured to win) and off on CUDA."""
+        for choice in (self.compile, host_default, dep.compute_config.compile):
+            if choice is not None:
+                return choice
+        return self.device == "cpu"
+
+    def runtime_config(
+        self, dep: ModelDeployment, host_compile: bool | None = None
+    ) -> RuntimeConfig:
         cc = dep.compute_config
         return RuntimeConfig(
             device=self.device_for(dep), dtype=None if cc.dtype == "auto" else cc.dtype,
@@ -51,7 +62,7 @@ class WorkerOptions:
             memory_budget_bytes=self.memory_budget_bytes,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_adapters=self.adapter_slots_for(dep), max_lora_rank=cc.max_lora_rank,
-            tp=self.tp_for(dep),
+            tp=self.tp_for(dep), compile=self.compile_for(dep, host_compile),
         )
 
 

@@ -237,9 +237,16 @@ class Worker:
 
     async def _load(self, dep: ModelDeployment) -> None:
         started = time.monotonic()
-        runtime = await asyncio.to_thread(self._runtime_factory, dep.path,
-                                          self.options.runtime_config(dep))
+        config = self.options.runtime_config(dep, self.settings.compile)
+        runtime = await asyncio.to_thread(self._runtime_factory, dep.path, config)
         self.runtime = runtime
+        if config.compile:
+            seconds = await asyncio.to_thread(runtime.warm_up)
+            if runtime.compile_failure is not None:
+                log.warning("serving %s with eager steps: %s", dep.model,
+                            runtime.compile_failure)
+            elif seconds is not None:
+                log.info("compiled the decode step of %s in %.1f s", dep.model, seconds)
         self.adapters = ServedAdapters(self.model)
         await self.adapters.load(runtime, dep.adapters)
         slots = self.options.adapter_slots_for(dep)

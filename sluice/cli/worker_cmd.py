@@ -48,6 +48,9 @@ def register(app: typer.Typer) -> None:
         = None,
         log_level: Annotated[str, typer.Option(
             "--log-level", help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
+        compile_step: Annotated[bool | None, typer.Option(
+            "--compile/--no-compile", help="Compile the decode step with torch.compile "
+            "(default: SLUICE_COMPILE, else the compute config, else on for cpu).")] = None,
     ) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
         import uvloop
@@ -62,7 +65,7 @@ def register(app: typer.Typer) -> None:
         options = WorkerOptions(model=model, device=device, tp=tp, replica=replica,
                                 instance_id=instance_id,
                                 max_num_batched_tokens=max_batched_tokens,
-                                adapter_slots=adapter_slots,
+                                adapter_slots=adapter_slots, compile=compile_step,
                                 memory_budget_bytes=None if memory_budget_gib is None
                                 else int(memory_budget_gib * 2**30))
         worker = Worker(settings, options)

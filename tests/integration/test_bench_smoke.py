@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 EXPECTED: dict[str, list[str]] = {
     "runtime": [
         "decode_tokens_s.batch_1", "decode_tokens_s.batch_64", "prefill_tokens_s",
+        "eager_decode_tokens_s.batch_1", "compile_warmup",
         "baseline_hf_generate.batch_1_one_at_a_time",
         "baseline_hf_generate.batch_8_static_batching",
         "limits.memory_bandwidth", "fraction_of_limit.decode_batch_1_of_bandwidth",

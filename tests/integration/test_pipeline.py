@@ -498,3 +498,34 @@ async def test_adapters_through_kafka_match_the_runtime_alone(settings, tiny_mod
     for name, done in zip(names, results, strict=True):
         assert done.token_ids == expected[name], name
         assert done.adapter == name
+
+
+async def test_a_compiled_worker_answers_as_the_eager_runtime(settings, tiny_model,
+                                                              tmp_path) -> None:
+    """compute_config compile=True (the suite's SLUICE_COMPILE=0 cleared): the worker
+    compiles its decode step before serving, and its answers equal eager ones."""
+    from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+
+    client, key = _setup(settings, tiny_model, compile=True)
+    prompts = [[5, 17, 33, 42, 8, 99], [7] * 20, list(range(3, 40)), [11, 12]]
+    try:
+        with worker_process(settings, "tiny", tmp_path, env={"SLUICE_COMPILE": ""}) as worker:
+            results = await asyncio.wait_for(asyncio.gather(*(
+                client.complete(model="tiny", api_key=key, max_tokens=24, prompt_token_ids=p)
+                for p in prompts)), 180)
+            assert "compiled the decode step of tiny in" in worker.log(), worker.log()
+            assert "eager steps" not in worker.log()
+    finally:
+        await client.aclose()
+        await drop_schema(settings)
+
+    rt = Runtime(tiny_model, RuntimeConfig(kv_cache_len=2048))
+    for i, p in enumerate(prompts):
+        rt.add_sequence(f"x{i}", p, SamplingParams(max_tokens=24))
+    expected: dict[str, list[int]] = {s: [] for s in rt.sequences}
+    while rt.sequences:
+        step = rt.execute(StepPlan({s: q.num_uncomputed for s, q in rt.sequences.items()}))
+        for o in step.outputs:
+            expected[o.seq_id].append(o.token_id)
+    for i, done in enumerate(results):
+        assert done.token_ids == expected[f"x{i}"], i

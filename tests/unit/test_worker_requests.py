@@ -131,3 +131,29 @@ async def test_sampling_left_out_comes_from_the_models_generation_config() -> No
     left_out, given = submitted
     assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 20)
     assert (given.temperature, given.top_p, given.top_k) == (0.0, 0.9, 5)
+
+
+def test_who_decides_whether_a_worker_compiles(monkeypatch):
+    """--compile/--no-compile, else SLUICE_COMPILE, else the compute config, else auto
+    (on for CPU, off on CUDA)."""
+    from common.settings import Settings
+    from schemas import ModelDeployment
+    from worker.options import WorkerOptions
+
+    def dep(compile: bool | None) -> ModelDeployment:
+        return ModelDeployment(model="tiny", revision=1, path="/m",
+                               compute_config={"compile": compile})
+
+    cpu, gpu = WorkerOptions(model="tiny"), WorkerOptions(model="tiny", device="cuda")
+    assert cpu.runtime_config(dep(None)).compile is True
+    assert gpu.runtime_config(dep(None)).compile is False
+    assert gpu.runtime_config(dep(True)).compile is True
+    assert cpu.runtime_config(dep(False)).compile is False
+    assert cpu.runtime_config(dep(True), host_compile=False).compile is False
+    assert gpu.runtime_config(dep(False), host_compile=True).compile is True
+    flagged = WorkerOptions(model="tiny", compile=False)
+    assert flagged.runtime_config(dep(True), host_compile=True).compile is False
+    monkeypatch.setenv("SLUICE_COMPILE", "1")
+    assert Settings().compile is True
+    monkeypatch.setenv("SLUICE_COMPILE", "")
+    assert Settings().compile is None

@@ -26,7 +26,7 @@ def test_llama3_8b_numbers():
     plan = plan_memory(LLAMA3_8B, req, available_bytes=200 * GIB)
     assert plan.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB
     assert plan.num_blocks == 18_750
-    assert plan.kv_cache_bytes == 300_000 * 131_072
+    assert plan.kv_cache_bytes == (300_000 + 16) * 131_072  # + one scratch block
     layer = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336
     expected = 2 * (32 * (layer + 2 * 4096) + 2 * 128256 * 4096 + 4096)
     assert plan.weight_bytes == expected  # 8.03e9 params in bf16
@@ -73,4 +73,4 @@ def test_runtime_refuses_to_load_and_never_shrinks(tmp_path):
         make_runtime(path, kv_cache_len=1_000_000, memory_budget_bytes=64 << 20)
     rt = make_runtime(path, kv_cache_len=1000, memory_budget_bytes=512 << 20)
     assert rt.block_manager.num_blocks == 63  # ceil(1000 / 16)
-    assert rt.runner.kv_caches[0].shape == (2, 63, 16, 2, 16)
+    assert rt.runner.kv_caches[0].shape == (2, 64, 16, 2, 16)  # + the runner's scratch block
