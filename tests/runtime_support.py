@@ -108,3 +108,51 @@ def assert_same_runs(a: tuple, b: tuple, tol: float = 1e-4) -> None:
         assert len(tokens_a[s]) == 21
         diff = (logits_a[s] - logits_b[s]).abs().max().item()
         assert diff <= tol, f"{s}: max abs diff {diff}"
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+def ragged_run(rt: Runtime) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]],
+                                     dict[str, list[int]], int]:
+    """Seven sequences (prompts of 1..40 tokens, three joining after 3 steps so they
+    prefill while the others decode), 20 greedy tokens each, prefill chunks of 8.
+
+    Returns per sequence its tokens, the logits of each sampled step and its prompt,
+    and the number of mixed (decode + prefill) steps. Checks invariants every step.
+    """
+    lengths = [1, 5, 16, 17, 33, 40, 9]
+    prompts = {f"s{i}": random_prompt(n, 10 + i) for i, n in enumerate(lengths)}
+    late = {"s4", "s5", "s6"}
+    tokens: dict[str, list[int]] = {s: [] for s in prompts}
+    logits: dict[str, list[torch.Tensor]] = {s: [] for s in prompts}
+    for s in sorted(prompts.keys() - late):
+        rt.add_sequence(s, prompts[s], greedy(20))
+    step, mixed_steps = 0, 0
+    while rt.sequences or step < 3:
+        if step == 3:
+            for s in sorted(late):
+                rt.add_sequence(s, prompts[s], greedy(20))
+        plan = {s: min(8, q.num_uncomputed) for s, q in rt.sequences.items()}
+        mixed_steps += 1 in plan.values() and any(n > 1 for n in plan.values())
+        out = rt.execute(StepPlan(plan, return_logits=True))
+        for o in out.outputs:
+            tokens[o.seq_id].append(o.token_id)
+            logits[o.seq_id].append(out.logits[o.seq_id])
+        rt.check_invariants()
+        step += 1
+    return tokens, logits, prompts, mixed_steps
+
+
+def assert_ragged_run_matches_hf(hf_model: object, run: tuple, tol: float) -> None:
+    """Every sequence of a `ragged_run`: 20 tokens, logits within `tol` of HF's on the
+    same tokens, and HF's greedy choice at every step."""
+    tokens, logits, prompts, _ = run
+    for s, prompt in prompts.items():
+        assert len(tokens[s]) == 20
+        ref = hf_logits(hf_model, prompt + tokens[s][:-1])[len(prompt) - 1 :]
+        diff = (torch.stack(logits[s]) - ref).abs().max().item()
+        assert diff <= tol, f"{s}: max abs diff {diff}"
+        assert tokens[s] == ref.argmax(-1).tolist()

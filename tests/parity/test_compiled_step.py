@@ -14,9 +14,13 @@ import logging
 import pytest
 import torch
 
-from gpu_runtime import StepPlan
 from gpu_runtime.compiled import CompiledStep
-from tests.runtime_support import greedy, hf_logits, make_hf_checkpoint, make_runtime
+from tests.runtime_support import (
+    assert_ragged_run_matches_hf,
+    make_hf_checkpoint,
+    make_runtime,
+    ragged_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,35 +33,6 @@ VARIANTS = {
 }
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (n,), generator=g).tolist()
-
-
-def _ragged_run(rt) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]],
-                             dict[str, list[int]]]:
-    """Seven sequences (1..40 prompt tokens, three joining late), 20 tokens each."""
-    lengths = [1, 5, 16, 17, 33, 40, 9]
-    prompts = {f"s{i}": _prompt(n, 10 + i) for i, n in enumerate(lengths)}
-    late = {"s4", "s5", "s6"}
-    tokens = {s: [] for s in prompts}
-    logits = {s: [] for s in prompts}
-    for s in sorted(prompts.keys() - late):
-        rt.add_sequence(s, prompts[s], greedy(20))
-    step = 0
-    while rt.sequences or step < 3:
-        if step == 3:
-            for s in sorted(late):
-                rt.add_sequence(s, prompts[s], greedy(20))
-        plan = {s: min(8, q.num_uncomputed) for s, q in rt.sequences.items()}
-        out = rt.execute(StepPlan(plan, return_logits=True))
-        for o in out.outputs:
-            tokens[o.seq_id].append(o.token_id)
-            logits[o.seq_id].append(out.logits[o.seq_id])
-        step += 1
-    return tokens, logits, prompts
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_compiled_decode_matches_hf(variant, tmp_path):
     path, hf = make_hf_checkpoint(tmp_path, seed=7, **VARIANTS[variant])
@@ -65,24 +40,18 @@ def test_compiled_decode_matches_hf(variant, tmp_path):
     assert rt.warm_up() > 0
     assert rt.runner.compiled.compiled_steps == 2  # the warm-up's graphs, on scratch
     assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
-    tokens, logits, prompts = _ragged_run(rt)
+    run = ragged_run(rt)
     assert rt.compile_failure is None
     assert rt.runner.compiled.compiled_steps > 2 + 10  # the all-decode steps
-    for s, prompt in prompts.items():
-        assert len(tokens[s]) == 20
-        ref = hf_logits(hf, prompt + tokens[s][:-1])[len(prompt) - 1 :]
-        diff = (torch.stack(logits[s]) - ref).abs().max().item()
-        assert diff <= TOL, f"{s}: max abs diff {diff}"
-        assert tokens[s] == ref.argmax(-1).tolist()
-    rt.check_invariants()
+    assert_ragged_run_matches_hf(hf, run, TOL)
     assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
 
 
 def test_fp8_compiled_equals_fp8_eager(tmp_path):
     path, _ = make_hf_checkpoint(tmp_path, seed=3)
-    eager = _ragged_run(make_runtime(path, quantization="fp8"))
+    eager = ragged_run(make_runtime(path, quantization="fp8"))
     rt = make_runtime(path, quantization="fp8", compile=True)
-    compiled = _ragged_run(rt)
+    compiled = ragged_run(rt)
     assert rt.compile_failure is None and rt.runner.compiled.compiled_steps > 10
     assert compiled[0] == eager[0]
     for s in eager[1]:
@@ -92,7 +61,7 @@ def test_fp8_compiled_equals_fp8_eager(tmp_path):
 
 def test_a_compiler_failure_falls_back_to_eager_and_says_so(tmp_path, caplog):
     path, _ = make_hf_checkpoint(tmp_path, seed=5)
-    expected = _ragged_run(make_runtime(path))
+    expected = ragged_run(make_runtime(path))
 
     def broken_backend(graph, example_inputs):
         raise RuntimeError("this compiler is broken")
@@ -100,7 +69,7 @@ def test_a_compiler_failure_falls_back_to_eager_and_says_so(tmp_path, caplog):
     rt = make_runtime(path, compile=True)
     rt.runner.compiled = rt.runner.step = CompiledStep(rt.model.forward, backend=broken_backend)
     with caplog.at_level(logging.ERROR, logger="gpu_runtime.compiled"):
-        got = _ragged_run(rt)
+        got = ragged_run(rt)
     assert got[0] == expected[0]  # every token served, the failed step recomputed eagerly
     assert "this compiler is broken" in rt.compile_failure
     assert rt.runner.compiled.compiled_steps == 0

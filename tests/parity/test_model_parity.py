@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from gpu_runtime import StepPlan
-from tests.runtime_support import greedy, hf_logits, make_hf_checkpoint, make_runtime
+from tests.runtime_support import (
+    assert_ragged_run_matches_hf,
+    greedy,
+    hf_logits,
+    make_hf_checkpoint,
+    make_runtime,
+    ragged_run,
+    random_prompt,
+)
 
 TOL = 1e-4
 VARIANTS = {
@@ -41,15 +49,10 @@ def checkpoint(request, tmp_path_factory):
     return make_hf_checkpoint(path, seed=hash(request.param) % 1000, **VARIANTS[request.param])
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (n,), generator=g).tolist()
-
-
 def test_batch1_logits_and_greedy_match_hf(checkpoint):
     path, hf = checkpoint
     rt = make_runtime(path)
-    prompt = _prompt(23, 1)
+    prompt = random_prompt(23, 1)
     rt.add_sequence("a", prompt, greedy(20))
     tokens, logits = [], []
     plan = {"a": len(prompt)}
@@ -73,33 +76,9 @@ def test_batch1_logits_and_greedy_match_hf(checkpoint):
 def test_batch7_ragged_mixed_steps_match_hf(checkpoint):
     path, hf = checkpoint
     rt = make_runtime(path)
-    lengths = [1, 5, 16, 17, 33, 40, 9]
-    prompts = {f"s{i}": _prompt(n, 10 + i) for i, n in enumerate(lengths)}
-    late = {"s4", "s5", "s6"}  # join after 3 steps, prefilling while the others decode
-    tokens = {s: [] for s in prompts}
-    logits = {s: [] for s in prompts}
-    for s in prompts.keys() - late:
-        rt.add_sequence(s, prompts[s], greedy(20))
-    step, mixed_steps = 0, 0
-    while rt.sequences or step < 3:
-        if step == 3:
-            for s in sorted(late):
-                rt.add_sequence(s, prompts[s], greedy(20))
-        plan = {s: min(8, q.num_uncomputed) for s, q in rt.sequences.items()}
-        mixed_steps += 1 in plan.values() and any(n > 1 for n in plan.values())
-        out = rt.execute(StepPlan(plan, return_logits=True))
-        for o in out.outputs:
-            tokens[o.seq_id].append(o.token_id)
-            logits[o.seq_id].append(out.logits[o.seq_id])
-        rt.check_invariants()
-        step += 1
-    assert mixed_steps >= 2
-    for s, prompt in prompts.items():
-        assert len(tokens[s]) == 20
-        ref = hf_logits(hf, prompt + tokens[s][:-1])[len(prompt) - 1 :]
-        diff = (torch.stack(logits[s]) - ref).abs().max().item()
-        assert diff <= TOL, f"{s}: max abs diff {diff}"
-        assert tokens[s] == ref.argmax(-1).tolist()
+    run = ragged_run(rt)
+    assert run[3] >= 2  # mixed steps
+    assert_ragged_run_matches_hf(hf, run, TOL)
     assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
 
 
@@ -109,10 +88,10 @@ def test_sliding_window_serves_beyond_the_window(tmp_path):
     path, hf = make_hf_checkpoint(tmp_path, arch="mistral", sliding_window=12)
     rt = make_runtime(path, max_model_len=200)
     assert rt.model_config.sliding_window == 12 and rt.max_model_len == 200
-    first = _prompt(70, 3)
+    first = random_prompt(70, 3)
     rt.add_sequence("t1", first, greedy(1))
     rt.execute(StepPlan({"t1": 70}))
-    second = first + _prompt(30, 4)
+    second = first + random_prompt(30, 4)
     cached = rt.add_sequence("t2", second, greedy(1))
     assert cached == 64  # four full blocks of the first turn
     out = rt.execute(StepPlan({"t2": len(second) - cached}, return_logits=True))
