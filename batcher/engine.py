@@ -150,9 +150,10 @@ class Engine:
         self._idle.clear()
         self._wakeup.set()
 
-    def cancel(self, key: str) -> bool:
-        """Cancel a request; it ends with one `cancelled` event unless it ended already."""
-        found = self.scheduler.cancel(key)
+    def cancel(self, key: str, *, answer: bool = False) -> bool:
+        """Cancel a request; it ends with one `cancelled` event unless it ended already
+        (with `answer`, a `done` event whose finish_reason is "cancelled")."""
+        found = self.scheduler.cancel(key, answer=answer)
         self._wakeup.set()
         return found
 

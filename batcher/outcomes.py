@@ -66,7 +66,11 @@ def error_event(state: RequestState, code: ErrorCode, message: str) -> Failed:
     return Failed(req.key, req.attempt, req.origin, code, message)
 
 
-def cancelled_event(state: RequestState) -> Cancelled:
+def cancelled_event(state: RequestState, now: float) -> Cancelled | Finished:
+    """A client's cancel is answered (`done`, "cancelled", the tokens so far); any
+    other cancel ends the request silently, to be served again elsewhere."""
+    if state.cancel_answered:
+        return done_event(state, "cancelled", now)
     req = state.request
     return Cancelled(req.key, req.attempt, req.origin, len(state.output_token_ids))
 

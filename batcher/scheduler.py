@@ -166,12 +166,15 @@ class Scheduler:
             )
         return None
 
-    def cancel(self, key: str) -> bool:
-        """Cancel a request; its `cancelled` event comes with the next plan or update."""
+    def cancel(self, key: str, *, answer: bool = False) -> bool:
+        """Cancel a request; its `cancelled` event comes with the next plan or update.
+        With `answer` (a client's cancel) it ends with a `done` event instead, its
+        finish_reason "cancelled" and the tokens generated so far."""
         state = self._states.get(key)
-        if state is None or state.cancel_requested:
+        if state is None or state.cancel_requested or state.status is RequestStatus.FINISHED:
             return False
         state.cancel_requested = True
+        state.cancel_answered = answer
         return True
 
     # ---- the step --------------------------------------------------------------------
@@ -179,7 +182,7 @@ class Scheduler:
     def schedule(self) -> BatchPlan:
         now = self._clock()
         events, self._outbox = self._outbox, []
-        self._end_cancelled(events)
+        self._end_cancelled(events, now)
         self._expire(now, events)
         policy = self.config.ordering
         live = [s for s in self._states.values() if s.status is not RequestStatus.FINISHED]
@@ -236,7 +239,7 @@ class Scheduler:
                 self._rt.remove_sequence(state.key)
             if state.cancel_requested:
                 self.stats.num_cancelled += 1
-                return [outcomes.finish(state, outcomes.cancelled_event(state))]
+                return [outcomes.finish(state, outcomes.cancelled_event(state, now))]
             self.stats.num_timeouts += 1  # a first token sampled too late is not sent
             return [outcomes.finish(state, outcomes.timeout_event(state, now))]
         if not state.has_first_token:
@@ -319,12 +322,12 @@ class Scheduler:
         if state is not None and state.status is RequestStatus.FINISHED:
             del self._states[key]
 
-    def _end_cancelled(self, events: list[Event]) -> None:
+    def _end_cancelled(self, events: list[Event], now: float) -> None:
         for state in list(self._states.values()):
-            if state.cancel_requested:
+            if state.cancel_requested and state.status is not RequestStatus.FINISHED:
                 if state.in_runtime:
                     self._rt.remove_sequence(state.key)
-                events.append(outcomes.finish(state, outcomes.cancelled_event(state)))
+                events.append(outcomes.finish(state, outcomes.cancelled_event(state, now)))
                 self.stats.num_cancelled += 1
 
     def _expire(self, now: float, events: list[Event]) -> None:

@@ -28,6 +28,9 @@ class RequestState:
     first_token_time: float | None = None
     num_preemptions: int = 0
     cancel_requested: bool = False
+    # A client's cancel: ends with a `done` (finish_reason "cancelled", the tokens so far)
+    # rather than silently (a partition handed over, served again elsewhere).
+    cancel_answered: bool = False
 
     @property
     def key(self) -> str:

@@ -15,6 +15,7 @@ the same concurrency; requests/s and tokens/s of each.
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,11 @@ async def _in_process(engine: Engine, rid: str, prompt: list[int],
 
 
 async def _through_kafka(served: Served, rid: str, prompt: list[int],
-                         max_tokens: int) -> tuple[float, float, float]:
+                         max_tokens: int, model: str = MODEL) -> tuple[float, float, float]:
     """(TTFT ms, end-to-end ms, worker-reported TTFT ms) of one request via the SDK."""
     start = time.perf_counter()
     first = None
-    async for event in served.client.stream(model=MODEL, api_key=served.api_key,
+    async for event in served.client.stream(model=model, api_key=served.api_key,
                                             request_id=rid, prompt_token_ids=prompt,
                                             max_tokens=max_tokens, temperature=0.0):
         if isinstance(event, WireToken):
@@ -173,7 +174,69 @@ async def bench_kafka(served: Served, device: str,
         "added_ttft_p50": goal("Kafka adds <= 10 ms p50 to TTFT", added_p50, 10.0,
                                higher_is_better=False, unit="ms"),
     }
+    results["exactly_once"] = await _exactly_once_cost(served, device, quick, prompts[:count],
+                                                       max_tokens)
     return results, {"in-process": local["ttft"], "kafka": remote["ttft"]}
+
+
+async def _exactly_once_cost(served: Served, device: str, quick: bool,
+                             prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The same requests to the at-least-once model and to a twin in exactly-once
+    mode (transactions), alternating one by one; then the same bulk load on each,
+    alternating runs: what the transactions cost in TTFT and throughput."""
+    from benchmarks.served import twin_model
+    from sluice.batch import run_batch
+
+    lat: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "e2e": []}
+                                              for m in ("at_least_once", "exactly_once")}
+    bulk: dict[str, list[tuple[float, int]]] = {m: [] for m in lat}
+    num_bulk, concurrency = (96, 32) if quick else (256, 64)
+    async with twin_model(served, f"{MODEL}-eo", device, delivery="exactly_once") as twin:
+        models = {"at_least_once": MODEL, "exactly_once": twin}
+        for i, prompt in enumerate(prompts):
+            for mode, model in models.items():
+                ttft, e2e, _ = await _through_kafka(served, f"eo-{mode}-{i}", prompt,
+                                                    max_tokens, model)
+                lat[mode]["ttft"].append(ttft)
+                lat[mode]["e2e"].append(e2e)
+        lines = [{"custom_id": f"e{i}", "body": {"prompt_token_ids": p,
+                                                  "max_tokens": max_tokens,
+                                                  "temperature": 0.0}}
+                 for i, p in enumerate(_prompts(num_bulk, _vocab(served.model_dir), 31))]
+        with tempfile.TemporaryDirectory() as tmp:
+            in_path = Path(tmp) / "in.jsonl"
+            in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+            for r in range(1 if quick else 2):
+                for mode, model in models.items():
+                    summary = await run_batch(served.client, in_path,
+                                              Path(tmp) / f"out-{mode}-{r}.jsonl", model=model,
+                                              api_key=served.api_key, concurrency=concurrency)
+                    if summary.num_errors:
+                        raise RuntimeError(f"{mode} bulk run had {summary.num_errors} errors")
+                    bulk[mode].append((summary.seconds, summary.num_completion_tokens))
+
+    def tokens_s(runs: list[tuple[float, int]]) -> float:
+        return sum(t for _, t in runs) / sum(s for s, _ in runs)
+
+    p50 = {mode: {kind: percentile(v, 0.5) for kind, v in kinds.items()}
+           for mode, kinds in lat.items()}
+    eo, alo = p50["exactly_once"], p50["at_least_once"]
+    rate = {mode: tokens_s(runs) for mode, runs in bulk.items()}
+    return {
+        "at_least_once_ttft": latency_figures(lat["at_least_once"]["ttft"]),
+        "exactly_once_ttft": latency_figures(lat["exactly_once"]["ttft"]),
+        "at_least_once_end_to_end": latency_figures(lat["at_least_once"]["e2e"]),
+        "exactly_once_end_to_end": latency_figures(lat["exactly_once"]["e2e"]),
+        "bulk_tokens_per_s": {mode: figure(v, "tok/s", 1) for mode, v in rate.items()},
+        "ratios": {
+            "ttft_p50_exactly_over_at_least_once": ratio(eo["ttft"], alo["ttft"]),
+            "end_to_end_p50_exactly_over_at_least_once": ratio(eo["e2e"], alo["e2e"]),
+            "bulk_tokens_s_exactly_over_at_least_once": ratio(rate["exactly_once"],
+                                                              rate["at_least_once"]),
+        },
+        "workload": f"{len(prompts)} requests one at a time per mode, alternating; bulk "
+                    f"{num_bulk} prompts x {concurrency} in flight per mode, alternating runs",
+    }
 
 
 async def _bulk_in_process(engine: Engine, prompts: list[list[int]], max_tokens: int,

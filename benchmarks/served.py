@@ -74,6 +74,34 @@ async def _drop(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
+async def twin_model(served: Served, name: str, device: str,
+                     **compute: object) -> AsyncIterator[str]:
+    """A second model on the same weights, with `compute` config changes (exactly-once
+    delivery, say) and its own worker in this process: the same run measures both."""
+    settings = served.settings
+
+    def setup() -> None:
+        served.client.models.register(model=name, path=str(served.model_dir),
+                                      compute_config={"kv_cache_len": KV_CACHE_LEN, **compute})
+        served.client.keys.grant(served.api_key, model=name)
+
+    await asyncio.to_thread(setup)
+    worker = Worker(settings, WorkerOptions(
+        model=name, device=device, instance_id=f"{settings.topic_prefix}-{name}",
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, compile=False))
+    task = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(180):
+            await served.client.complete(model=name, api_key=served.api_key,
+                                         prompt_token_ids=[5, 6, 7], max_tokens=1)
+        yield name
+    finally:
+        worker.stop()
+        with contextlib.suppress(Exception):
+            await task
+
+
+@contextlib.asynccontextmanager
 async def served_model(model_dir: Path, device: str) -> AsyncIterator[Served]:
     bootstrap, url = await asyncio.to_thread(endpoints)
     tag = f"bench_{uuid.uuid4().hex[:10]}"

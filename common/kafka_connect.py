@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Awaitable
+from typing import TypeVar
 
 from common.errors import KafkaAccessError
 from common.kafka_security import ENV, TLS_PROTOCOLS, explain, principal
 from common.settings import Settings
 from common.timeouts import dependency_call
+
+T = TypeVar("T")
 
 
 async def diagnose(settings: Settings, original: BaseException | None = None) -> str:
@@ -80,14 +83,14 @@ async def diagnose(settings: Settings, original: BaseException | None = None) ->
     return f"Kafka at {settings.kafka_bootstrap} did not answer: {original or 'no reason given'}"
 
 
-async def connect(start: Awaitable[object], settings: Settings, what: str) -> None:
+async def connect(start: Awaitable[T], settings: Settings, what: str) -> T:
     """Await a client's `start()`, bounded by SLUICE_CLIENT__TIMEOUT_SECS; a failure to
     connect, log in or be authorized raises KafkaAccessError with one clear line."""
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
     try:
-        await dependency_call(f"connecting to Kafka ({what})", start,
-                              settings.client.timeout_secs)
+        return await dependency_call(f"connecting to Kafka ({what})", start,
+                                     settings.client.timeout_secs)
     except KafkaConnectionError as exc:
         raise KafkaAccessError(await diagnose(settings, exc)) from None
     except KafkaError as exc:

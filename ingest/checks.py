@@ -22,8 +22,16 @@ from aiokafka.structs import ConsumerRecord
 
 from ingest.permissions import Decision, PermissionChecker, PermissionsUnavailable
 from ingest.prompting import PromptBuilder, PromptError
-from ingest.verdicts import Admitted, DeadLettered, IngestOptions, Refused, Verdict
-from schemas import ErrorCode, InferenceRequest, SchemaError, decode
+from ingest.verdicts import Admitted, Cancel, DeadLettered, IngestOptions, Refused, Verdict
+from schemas import (
+    CancelRequest,
+    ErrorCode,
+    InferenceRequest,
+    SchemaError,
+    decode,
+    is_cancel,
+    validate,
+)
 from schemas.names import ID_PATTERN, is_valid_topic
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class RequestChecks:
         try:
             request = decode(InferenceRequest, value)
         except SchemaError as exc:
+            if exc.parsed is not None and is_cancel(exc.parsed):
+                return await self._cancel(record, tp, exc.parsed, value)
             return await self._undecodable(record, tp, exc)
         reply_topic = request.reply_topic or self.options.default_reply_topic
         problem = await self._reply_topic_problem(reply_topic)
@@ -87,7 +97,28 @@ class RequestChecks:
             return refuse(ErrorCode.INVALID_REQUEST, str(exc))
         return Admitted(request, tp, record.offset, attempt, reply_topic,
                         admitted.arrival_time, admitted.max_ttft_ms, prompt.token_ids,
-                        prompt.chat)
+                        prompt.chat, decision.tenant)
+
+    async def _cancel(self, record: ConsumerRecord, tp: TopicPartition,
+                      parsed: dict[str, object], value: bytes) -> Verdict:
+        """A cancel record: well-formed, its sender's tenant looked up (a database
+        outage leaves it unauthenticated, so it stops nothing); malformed, it is
+        dead-lettered — it has no reply topic to answer on, and an error event under
+        its request id would be a second terminal event for that request."""
+        try:
+            cancel = validate(CancelRequest, parsed)
+        except SchemaError as exc:
+            return DeadLettered(tp, record.offset, record.key, value,
+                                f"invalid cancel record: {exc}")
+        auth = [v for k, v in record.headers if k.lower() == "authorization"]
+        tenant = None
+        if len(auth) == 1:
+            try:
+                tenant = await self.checker.tenant_of(auth[0])
+            except PermissionsUnavailable as exc:
+                log.warning("a cancel could not be checked, so it stops nothing: %s", exc,
+                            extra={"request_id": cancel.request_id})
+        return Cancel(tp, record.offset, cancel.request_id, tenant)
 
     async def _permission(self, record: ConsumerRecord, request: InferenceRequest,
                           deadline: float) -> Decision | None:

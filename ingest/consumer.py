@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import ConsumerRecord
@@ -30,11 +31,16 @@ from ingest.offsets import OffsetTracker
 from ingest.partitioning import PartitionAudit
 from ingest.permissions import PermissionChecker
 from ingest.prompting import PromptBuilder
-from ingest.verdicts import DeadLettered, IngestOptions, Route
+from ingest.verdicts import Cancel, DeadLettered, IngestOptions, Route
 
 log = logging.getLogger(__name__)
 
 OnRevoked = Callable[[list[TopicPartition]], Awaitable[None]]
+
+
+class Committer(Protocol):
+    async def commit(self) -> None:
+        """Commit the tracker's commit points, with whatever is waiting to be."""
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -67,6 +73,8 @@ class RequestIngest:
         self.fetcher = SafeFetcher(self.consumer)
         self.checks = RequestChecks(options, checker, prompts, self._cluster_topics)
         self.num_records = 0
+        # Exactly-once delivery: offsets are committed by the transactions, never here.
+        self.transactions: Committer | None = None
 
     async def _cluster_topics(self) -> set[str]:
         return set(await self.consumer.topics())
@@ -135,37 +143,70 @@ class RequestIngest:
     async def poll(self, max_records: int) -> int:
         """Read up to `max_records` and route each one's verdict; returns how many."""
         records, unreadable = await self.fetcher.getmany(timeout_ms=50, max_records=max_records)
+        # Records the partition's last owner finished are not served again.
+        finished = [r for r in records
+                    if self.tracker.finished_earlier(TopicPartition(r.topic, r.partition),
+                                                     r.offset)]
+        if finished:
+            for r in finished:
+                tp = TopicPartition(r.topic, r.partition)
+                self.tracker.start(tp, r.offset)
+                self.tracker.finish(tp, r.offset)
+            done = {(r.partition, r.offset) for r in finished}
+            records = [r for r in records if (r.partition, r.offset) not in done]
         attempts = [
             self.tracker.start(TopicPartition(r.topic, r.partition), r.offset) for r in records
         ]
         for bad in unreadable:
             self.tracker.start(bad.tp, bad.offset)
-        # Note who started what before any work begins, so a crash past here is seen as one.
-        await self.commit()
+        # Note who started what before any work begins, so a crash past here is seen as
+        # one (in exactly-once mode the transaction loop commits it within moments).
+        if self.transactions is None:
+            await self.commit()
         for bad in unreadable:  # the partition goes on past bytes nobody can read
             await self._route(DeadLettered(bad.tp, bad.offset, None, b"", bad.reason))
 
+        cancels: list[Cancel] = []
+
         async def judge(record: ConsumerRecord, attempt: int) -> None:
             self.audit.check(record, self._num_partitions())
-            await self._route(await self.checks.verdict(record, attempt))
+            verdict = await self.checks.verdict(record, attempt)
+            if isinstance(verdict, Cancel):
+                cancels.append(verdict)
+            else:
+                await self._route(verdict)
 
         # Judged concurrently: with the permission database away, one record may wait,
         # and the others must still reach their own deadlines (a cache hit resolves at
         # once, so in the normal case records keep their order).
         await asyncio.gather(*(judge(r, a) for r, a in zip(records, attempts, strict=True)))
-        self.num_records += len(records) + len(unreadable)
-        return len(records) + len(unreadable)
+        # Cancels last, in log order: a request read in the same batch as its cancel
+        # is with the engine before the cancel looks for it.
+        for cancel in sorted(cancels, key=lambda c: (c.tp.partition, c.offset)):
+            await self._route(cancel)
+        self.num_records += len(records) + len(unreadable) + len(finished)
+        return len(records) + len(unreadable) + len(finished)
 
     def _num_partitions(self) -> int | None:
         partitions = self.consumer.partitions_for_topic(self.options.request_topic)
         return len(partitions) if partitions else None
 
-    async def commit(self) -> None:
+    def pending_offsets(self) -> dict[TopicPartition, tuple[int, str]]:
+        """Commit points that moved, of the partitions still assigned."""
         pending = self.tracker.pending_commits()
         if not pending:
-            return
+            return {}
         assigned = self.consumer.assignment()
-        offsets = {tp: point for tp, point in pending.items() if tp in assigned}
+        return {tp: point for tp, point in pending.items() if tp in assigned}  # type: ignore[misc]
+
+    async def commit(self) -> None:
+        """Commit each partition's commit point: with the consumer, or in exactly-once
+        mode only ever in a transaction with the terminal events before it (a plain
+        commit there could move past an answer its transaction has not committed)."""
+        if self.transactions is not None:
+            await self.transactions.commit()
+            return
+        offsets = self.pending_offsets()
         if not offsets:
             return
         try:

@@ -9,7 +9,13 @@ before the commit point is served twice.
 
 The commit also carries metadata `h=<highest started offset>;a=<attempt>`:
 the next owner of the partition serves records up to `h` again as attempt
-`a + 1`, so the SDK can tell a retry from the first try.
+`a + 1`, so the SDK can tell a retry from the first try. When some records
+between the commit point and `h` are finished already (a short request
+answered behind a long one), the metadata lists the unfinished ones, `u=5,7-9`:
+the next owner serves only those again and skips the rest — which exactly-once
+delivery needs (their answers are committed), and which spares at-least-once
+readers a duplicate. A list too long for Kafka's metadata limit is left out
+(everything up to `h` is served again, as before).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import heapq
 import re
 from dataclasses import dataclass, field
 
-_META_RE = re.compile(r"^h=(-?\d+);a=(\d+)$")
+_META_RE = re.compile(r"^h=(-?\d+);a=(\d+)(?:;u=([\d,-]*))?$")
+# Kafka's default offset.metadata.max.bytes is 4096; stay well under it.
+MAX_UNFINISHED_CHARS = 3000
 
 
 @dataclass(slots=True)
@@ -28,6 +36,9 @@ class _Partition:
     next_offset: int | None = None  # one past the highest offset read
     redelivered_upto: int = -1  # offsets <= this were started by an earlier owner
     redelivered_attempt: int = 0
+    # Of the offsets <= redelivered_upto, the ones the last owner left unfinished
+    # (None: all of them, as far as anyone knows).
+    redelivered_unfinished: frozenset[int] | None = None
     committed: tuple[int, str] | None = None
 
 
@@ -42,7 +53,17 @@ class OffsetTracker:
         if match:
             part.redelivered_upto = int(match.group(1))
             part.redelivered_attempt = int(match.group(2)) + 1
+            if match.group(3) is not None:
+                part.redelivered_unfinished = frozenset(_parse_ranges(match.group(3)))
         self.partitions[tp] = part
+
+    def finished_earlier(self, tp: object, offset: int) -> bool:
+        """Whether the last owner finished `offset` (its answer is written, and with
+        exactly-once delivery committed): it must not be served again."""
+        part = self.partitions.get(tp)
+        return (part is not None and part.redelivered_unfinished is not None
+                and offset <= part.redelivered_upto
+                and offset not in part.redelivered_unfinished)
 
     def revoke(self, tp: object) -> None:
         self.partitions.pop(tp, None)
@@ -74,7 +95,13 @@ class OffsetTracker:
         offset = part.heap[0] if part.heap else part.next_offset
         highest_started = part.next_offset - 1
         attempt = part.redelivered_attempt if highest_started <= part.redelivered_upto else 0
-        return offset, f"h={highest_started};a={attempt}"
+        meta = f"h={highest_started};a={attempt}"
+        if part.heap and len(part.in_flight) != highest_started - offset + 1:
+            # Holes: some records above the commit point are finished. Name the others.
+            unfinished = _format_ranges(sorted(part.in_flight))
+            if len(unfinished) <= MAX_UNFINISHED_CHARS:
+                meta += f";u={unfinished}"
+        return offset, meta
 
     def pending_commits(self) -> dict[object, tuple[int, str]]:
         """Commit points that changed since `mark_committed`."""
@@ -90,3 +117,25 @@ class OffsetTracker:
             part = self.partitions.get(tp)
             if part is not None:
                 part.committed = point
+
+
+def _format_ranges(offsets: list[int]) -> str:
+    """Sorted offsets as `5,7-9`."""
+    out: list[str] = []
+    start = prev = offsets[0] if offsets else 0
+    for offset in offsets[1:]:
+        if offset != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = offset
+        prev = offset
+    if offsets:
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def _parse_ranges(text: str) -> list[int]:
+    offsets: list[int] = []
+    for item in filter(None, text.split(",")):
+        first, _, last = item.partition("-")
+        offsets.extend(range(int(first), int(last or first) + 1))
+    return offsets

@@ -35,6 +35,7 @@ class Decision:
     key_id: str | None = None
     # When set, the key may only name reply topics that start with this prefix.
     reply_topic_prefix: str | None = None
+    tenant: str | None = None  # the key's tenant: only it may cancel the request
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class _Entry:
     grants: frozenset[tuple[str, str]]
     expires: float
     reply_topic_prefix: str | None = None
+    tenant: str | None = None
 
 
 @dataclass(slots=True)
@@ -85,7 +87,16 @@ class PermissionChecker:
         if wanted not in entry.grants:
             what = f"adapter {adapter!r} of model {model!r}" if adapter else f"model {model!r}"
             return Decision(False, f"key {entry.key_id} is not granted {what}", entry.key_id)
-        return Decision(True, key_id=entry.key_id, reply_topic_prefix=entry.reply_topic_prefix)
+        return Decision(True, key_id=entry.key_id, reply_topic_prefix=entry.reply_topic_prefix,
+                        tenant=entry.tenant)
+
+    async def tenant_of(self, authorization: bytes | str | None) -> str | None:
+        """The tenant of a valid, unrevoked key (a cancel's sender), else None."""
+        key = api_keys.bearer_key(authorization)
+        if key is None:
+            return None
+        entry = await self._entry(key)
+        return entry.tenant if entry.key_id is not None and entry.active else None
 
     async def _entry(self, key: str) -> _Entry:
         # Keyed by a digest, so raw keys are not kept in memory longer than needed.
@@ -115,7 +126,8 @@ class PermissionChecker:
             async with asyncio.timeout(self.call_timeout_s):
                 async with self.pool.acquire() as conn:
                     row = await conn.fetchrow(
-                        "SELECT salt, secret_hash, revoked_at, reply_topic_prefix FROM api_keys "
+                        "SELECT salt, secret_hash, revoked_at, reply_topic_prefix, tenant "
+                        "FROM api_keys "
                         "WHERE key_id = $1",
                         key_id,
                     )
@@ -129,7 +141,7 @@ class PermissionChecker:
         return _Entry(
             key_id, row["revoked_at"] is None,
             frozenset((g["model"], g["adapter"]) for g in grants), now + self.ttl_s,
-            row["reply_topic_prefix"],
+            row["reply_topic_prefix"], row["tenant"],
         )
 
     def _on_notify(self, _conn: object, _pid: int, _channel: str, key_id: str) -> None:

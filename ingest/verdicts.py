@@ -3,7 +3,8 @@
 Every record read ends in exactly one verdict, which ingest hands to its
 caller's `Route` (the worker): `Admitted` goes to the engine, `Refused` is
 answered with an `error` event, `DeadLettered` goes to the dead-letter topic
-(bytes that cannot even be answered). Ingest itself writes nothing.
+(bytes that cannot even be answered), `Cancel` stops a request the worker
+holds. Ingest itself writes nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Admitted:
     max_ttft_ms: int  # the tighter of the request's and the model's
     token_ids: list[int]  # empty only when it expired before it could be checked
     chat: ChatPrompt | None = None  # a templated chat prompt, for its next turn
+    tenant: str | None = None  # whose key sent it: only that tenant may cancel it
 
 
     @property
@@ -83,5 +85,17 @@ class DeadLettered:
     reason: str
 
 
-Verdict = Admitted | Refused | DeadLettered
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """A client's cancel record: stop `request_id` if this worker holds it and it was
+    sent by `tenant` (None: the cancel's key is unknown or revoked, so it stops
+    nothing). Nothing is written for the record itself."""
+
+    tp: TopicPartition
+    offset: int
+    request_id: str
+    tenant: str | None
+
+
+Verdict = Admitted | Refused | DeadLettered | Cancel
 Route = Callable[[Verdict], Awaitable[None]]

@@ -33,7 +33,7 @@ from typing import Any
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from results.inflight import InFlight
-from results.producer import ProducerPort
+from results.producer import ProducerPort, TransactionsFailed
 from results.translate import WireRecord
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,12 @@ Undeliverable = Callable[[InFlight, str], WireRecord]
 class Delivery:
     def __init__(self, producer: ProducerPort, on_finished: OnFinished,
                  undeliverable: Undeliverable,
-                 on_dead_letter: Callable[[], None] | None = None):
+                 on_dead_letter: Callable[[], None] | None = None,
+                 stream_producer: ProducerPort | None = None):
         self._producer = producer
+        # Token events: the same producer, or (exactly-once delivery, where `producer`
+        # is transactional) a plain one, so tokens never wait for a transaction.
+        self._stream_producer = stream_producer or producer
         self._on_finished = on_finished
         self._undeliverable_record = undeliverable
         self._on_dead_letter = on_dead_letter
@@ -70,11 +74,31 @@ class Delivery:
 
     async def start(self) -> None:
         await self._producer.start()
+        if self._stream_producer is not self._producer:
+            await self._stream_producer.start()
 
     async def stop(self) -> None:
         self._closing = True  # terminal events still being retried stop at their next try
         await self.flush()
         await self._producer.stop()
+        if self._stream_producer is not self._producer:
+            await self._stream_producer.stop()
+
+    async def use_producer(self, producer: ProducerPort) -> ProducerPort:
+        """Write terminal records through `producer` (started) from now on; returns the
+        one it replaces, for the caller to stop unless it still writes token events.
+        Only between requests: after a drain, everything flushed and committed."""
+        await self.flush()
+        old, self._producer = self._producer, producer
+        return old
+
+    @property
+    def producer(self) -> ProducerPort:
+        return self._producer
+
+    @property
+    def stream_producer(self) -> ProducerPort:
+        return self._stream_producer
 
     async def flush(self) -> None:
         """Wait until every record sent so far is acknowledged or has failed (and any
@@ -88,12 +112,15 @@ class Delivery:
 
     # ---- the three kinds ----------------------------------------------------------------
 
-    async def best_effort(self, record: WireRecord) -> None:
+    async def best_effort(self, record: WireRecord, *, stream: bool = True) -> None:
+        """A record nothing waits for: a token event (`stream`), or a log record that
+        goes with the terminal events (in their transaction, if any)."""
+        producer = self._stream_producer if stream else self._producer
         try:
-            if not await self._topic_ready(record.topic):
+            if not await self._topic_ready(record.topic, producer):
                 raise KafkaTimeoutError(
                     f"no metadata for {record.topic!r} within {METADATA_WAIT_S} s")
-            future = await self._producer.send(record.topic, record.value, record.key)
+            future = await producer.send(record.topic, record.value, record.key)
         except Exception as exc:
             log.warning("a record to %s could not be sent: %s", record.topic, exc)
             return
@@ -114,7 +141,8 @@ class Delivery:
         try:
             future = await self._producer.send(record.topic, record.value, record.key)
         except KafkaError as exc:
-            if self._closing or tries_left <= 1 or not retriable(exc):
+            if self._closing or tries_left <= 1 or not retriable(exc) or isinstance(
+                    exc, TransactionsFailed):
                 log.error("the record finishing offset %s of %s was not sent (%s); it stays "
                           "unfinished and is read again after a restart", offset, tp, exc)
                 return
@@ -143,7 +171,7 @@ class Delivery:
                 raise KafkaTimeoutError(f"no metadata for {record.topic!r} yet")
             future = await self._producer.send(record.topic, record.value, record.key)
         except KafkaError as exc:  # the producer would not take it (no topic metadata, ...)
-            if self._closing:
+            if self._closing or isinstance(exc, TransactionsFailed):
                 log.error("terminal event for offset %s of %s not sent (%s); it stays "
                           "unfinished", ctx.offset, ctx.topic_partition, exc)
             elif retriable(exc):
@@ -194,15 +222,16 @@ class Delivery:
 
     # ---- helpers -----------------------------------------------------------------------
 
-    async def _topic_ready(self, topic: str) -> bool:
+    async def _topic_ready(self, topic: str, producer: ProducerPort | None = None) -> bool:
         """Whether the producer knows `topic`'s partitions, waiting for them at most
         METADATA_WAIT_S (milliseconds for a topic that exists)."""
-        if self._producer.knows(topic):
+        producer = producer or self._producer
+        if producer.knows(topic):
             return True  # the common case: no task to wait on
         if time.monotonic() < self._unready_until.get(topic, 0.0):
             return False
         try:
-            await asyncio.wait_for(self._producer.learn(topic), METADATA_WAIT_S)
+            await asyncio.wait_for(producer.learn(topic), METADATA_WAIT_S)
         except (TimeoutError, KafkaError):
             now = time.monotonic()
             self._unready_until = {t: until for t, until in self._unready_until.items()

@@ -28,6 +28,7 @@ class InFlight:
     num_prompt_tokens: int = 0
     chat: Any = None  # ingest's rendered chat prompt, remembered for the next turn
     next_seq: int = 0  # of its next token event
+    tenant: str | None = None  # whose key sent it: only that tenant may cancel it
 
     @property
     def request_id(self) -> str:

@@ -12,8 +12,16 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from common.topics import partitions_of
+
+
+class TransactionsFailed(KafkaError):
+    """Exactly-once delivery's transactions failed for good (fenced by a newer replica,
+    a record refused): nothing more is written, and the worker stops."""
+
+    retriable = False
 
 
 class ProducerPort(Protocol):

@@ -19,13 +19,14 @@ from schemas.events import (
     Usage,
 )
 from schemas.records import DeadLetterRecord, TimeoutRecord
-from schemas.requests import ChatMessage, InferenceRequest
+from schemas.requests import CancelRequest, ChatMessage, InferenceRequest, is_cancel
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "REPLY_EVENT_ADAPTER",
     "TERMINAL_TYPES",
     "AdapterSpec",
+    "CancelRequest",
     "ChatMessage",
     "ComputeConfig",
     "DeadLetterRecord",
@@ -45,5 +46,6 @@ __all__ = [
     "Usage",
     "decode",
     "encode",
+    "is_cancel",
     "validate",
 ]

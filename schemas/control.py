@@ -25,6 +25,9 @@ class ComputeConfig(BaseModel):
     # All-decode steps through torch.compile. None (auto): on for CPU workers, where it
     # is measured to win; off on CUDA until `benchmarks/gpu.sh` has measured it there.
     compile: bool | None = None
+    # exactly_once: terminal events (and dead letters, the timeouts log) are written
+    # with the consumer offsets in Kafka transactions; token events stay outside.
+    delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
 
 
 class Placement(BaseModel):

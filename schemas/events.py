@@ -54,7 +54,7 @@ class Timing(BaseModel):
 class DoneEvent(_Event):
     type: Literal["done"] = "done"
     attempt: int = Field(default=0, ge=0)
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "cancelled"]
     text: str
     token_ids: list[int] | None = None
     usage: Usage

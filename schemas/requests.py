@@ -72,3 +72,20 @@ class InferenceRequest(BaseModel):
     @property
     def partition_key(self) -> str:
         return self.session_id or self.request_id
+
+
+class CancelRequest(BaseModel):
+    """Stops a request: sent on the request's own topic with the request's own key (so
+    it reaches the partition, and the worker, that holds the request) and with an
+    `authorization` header of the request's tenant."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = 1
+    type: Literal["cancel"] = "cancel"
+    request_id: MessageId
+
+
+def is_cancel(obj: dict[str, Any]) -> bool:
+    """Whether a parsed request-topic record is a cancel (requests carry no `type`)."""
+    return obj.get("type") == "cancel"

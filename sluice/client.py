@@ -10,12 +10,16 @@ Every data-plane call has a deadline (`timeout=`, default
 SLUICE_CLIENT__REQUEST_TIMEOUT_SECS): no terminal event by then raises
 `RequestTimeoutError`. A model without a request topic raises
 `UnknownModelError` before anything is sent; a request that does not validate
-raises `InvalidRequestError`.
+raises `InvalidRequestError`. A call that ends without a terminal event —
+the stream closed early, its task cancelled, its deadline passed — sends a
+cancel record, so the worker stops generating (`client.cancel` does it for a
+request sent elsewhere).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -33,7 +37,15 @@ from common.kafka_security import explain
 from common.settings import Settings
 from common.timeouts import dependency_call
 from common.topics import partitions_of
-from schemas import DoneEvent, ErrorEvent, InferenceRequest, ReplyEvent, TimeoutEvent, encode
+from schemas import (
+    CancelRequest,
+    DoneEvent,
+    ErrorEvent,
+    InferenceRequest,
+    ReplyEvent,
+    TimeoutEvent,
+    encode,
+)
 from sluice.control_plane import ControlPlane
 from sluice.errors import (
     InvalidRequestError,
@@ -42,6 +54,8 @@ from sluice.errors import (
     UnknownModelError,
 )
 from sluice.replies import ReplyReader, hide_attempts
+
+TERMINAL_EVENTS = (DoneEvent, ErrorEvent, TimeoutEvent)
 
 # A model's request topic, once seen, is trusted this long before it is looked up again.
 TOPIC_KNOWN_FOR_S = 60.0
@@ -241,12 +255,14 @@ class Client:
         topic = await self.check_model(model)
         reader = await self._reader(str(request.reply_topic))
         sub = reader.subscribe(request.request_id)
+        sent = ended = False
+        headers = [("authorization", f"Bearer {key}".encode())] if key else []
         try:
-            headers = [("authorization", f"Bearer {key}".encode())] if key else []
             assert self._producer is not None
             try:
                 await self._producer.send_and_wait(
                     topic, encode(request), key=request.partition_key.encode(), headers=headers)
+                sent = True
             except KafkaError as exc:
                 denied = explain(exc, self.settings.kafka, f"sending to {topic}")
                 if denied is not None:
@@ -263,10 +279,39 @@ class Client:
                     raise RequestTimeoutError.no_terminal_event(
                         request.request_id, model, limit) from None
                 except StopAsyncIteration:
+                    ended = True
                     return
+                ended = isinstance(event, TERMINAL_EVENTS)
                 yield event
         finally:
             reader.unsubscribe(request.request_id)
+            if sent and not ended:
+                # Closed early, cancelled, or out of time: the worker stops it (a cancel
+                # record is durable, so whoever holds the request honours it).
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.shield(self._send_cancel(topic, request, headers))
+
+    async def cancel(self, *, model: str, request_id: str, session_id: str | None = None,
+                     api_key: str | None = None) -> None:
+        """Stop a request sent earlier (by any client): a cancel record on the model's
+        request topic, with the request's own key (`session_id`, if it had one) and an
+        API key of the same tenant. The request ends with `done`, finish_reason
+        "cancelled", unless it ended already."""
+        topic = await self.check_model(model)
+        key = api_key or self.api_key
+        headers = [("authorization", f"Bearer {key}".encode())] if key else []
+        request = InferenceRequest(request_id=request_id, session_id=session_id, model=model,
+                                   prompt="-")  # only its id and partition key are used
+        await self._send_cancel(topic, request, headers, wait=True)
+
+    async def _send_cancel(self, topic: str, request: InferenceRequest,
+                           headers: list[tuple[str, bytes]], wait: bool = False) -> None:
+        producer = await self._start_producer()
+        record = encode(CancelRequest(request_id=request.request_id))
+        future = await producer.send(topic, record, key=request.partition_key.encode(),
+                                     headers=headers)
+        if wait:
+            await future
 
     async def complete(self, *, model: str, **fields: Any) -> DoneEvent:
         """Send one request and return its `done` event; raises on `error` or `timeout`

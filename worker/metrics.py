@@ -107,6 +107,13 @@ class WorkerMetrics:
                                   (*_BASE, "type"), registry=r)
         self._errors = Counter("sluice_request_errors", "Error events by code.",
                                (*_BASE, "code"), registry=r)
+        self._cancels = Counter(
+            "sluice_cancels", "Cancel records by outcome: cancelled (a held request "
+            "stopped), ignored (not held: finished, or never here), refused (another "
+            "tenant's key).", (*_BASE, "outcome"), registry=r)
+        self._transactions = Counter(
+            "sluice_transactions", "Kafka transactions committed (exactly-once delivery).",
+            _BASE, registry=r).labels(model, pool)
         self._lag = Gauge("sluice_consumer_lag",
                           "Records of an assigned request partition not yet committed.",
                           (*_BASE, "partition"), registry=r)
@@ -167,6 +174,12 @@ class WorkerMetrics:
 
     def observe_misrouted_key(self) -> None:
         self._misrouted.inc()
+
+    def observe_cancel(self, outcome: str) -> None:
+        self._cancels.labels(self.model, self.pool, outcome).inc()
+
+    def observe_transaction(self) -> None:
+        self._transactions.inc()
 
     # ---- Kafka -------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from batcher import types as bt
 from batcher.engine import Engine
 from batcher.errors import EngineClosedError
 from gpu_runtime import SamplingDefaults, SamplingParams
-from ingest.verdicts import Admitted, DeadLettered, Refused, Verdict
+from ingest.verdicts import Admitted, Cancel, DeadLettered, Refused, Verdict
 from results.detokenize import IncrementalDecoder
 from results.inflight import InFlight
 from results.writer import ResultWriter
@@ -78,7 +78,11 @@ def engine_key(admitted: Admitted) -> str:
 class Router:
     def __init__(self, writer: ResultWriter, held: HeldRequests, engine_of: EngineOf,
                  tokenizer_of: Callable[[], object],
-                 sampling_defaults_of: Callable[[], SamplingDefaults] = SamplingDefaults):
+                 sampling_defaults_of: Callable[[], SamplingDefaults] = SamplingDefaults, *,
+                 finished: Callable[[object, int], None] = lambda _tp, _offset: None,
+                 on_cancel: Callable[[str], None] = lambda _outcome: None):
+        self._finished = finished  # a record that needs no answer (a cancel) is done
+        self._on_cancel = on_cancel  # "cancelled" | "ignored" | "refused", for metrics
         self._writer = writer
         self._held = held
         self._engine_of = engine_of
@@ -86,7 +90,10 @@ class Router:
         self._sampling_defaults_of = sampling_defaults_of
 
     async def route(self, verdict: Verdict) -> None:
-        if isinstance(verdict, DeadLettered):
+        if isinstance(verdict, Cancel):
+            self._cancel(verdict)
+            self._finished(verdict.tp, verdict.offset)
+        elif isinstance(verdict, DeadLettered):
             await self._writer.dead_letter(tp=verdict.tp, offset=verdict.offset,
                                            key=verdict.key, value=verdict.value,
                                            reason=verdict.reason)
@@ -97,6 +104,25 @@ class Router:
                                        message=verdict.message)
         else:
             await self._admit(verdict)
+
+    def _cancel(self, cancel: Cancel) -> None:
+        """Stop the request named, if this worker holds it from the cancel's partition
+        and the cancel's key is of the request's tenant; else ignore the cancel (the
+        request finished already, or it was never here)."""
+        for key, ctx in self._held.items():
+            if ctx.request.request_id != cancel.request_id or (
+                    ctx.topic_partition != cancel.tp):
+                continue
+            if cancel.tenant is None or cancel.tenant != ctx.tenant:
+                log.warning("a cancel from another tenant (or an unknown key) was ignored",
+                            extra={"request_id": cancel.request_id})
+                self._on_cancel("refused")
+                return
+            if self._engine_of().cancel(key, answer=True):
+                log.info("cancelled by its client", extra={"request_id": cancel.request_id})
+                self._on_cancel("cancelled")
+                return
+        self._on_cancel("ignored")
 
     async def _admit(self, admitted: Admitted) -> None:
         key = engine_key(admitted)
@@ -109,6 +135,7 @@ class Router:
             arrival_time=admitted.arrival_time, max_ttft_ms=admitted.max_ttft_ms,
             decoder=IncrementalDecoder(self._tokenizer_of(), []),  # type: ignore[arg-type]
             num_prompt_tokens=len(admitted.token_ids), chat=admitted.chat,
+            tenant=admitted.tenant,
         )
         # Sampling the request leaves out comes from the model's generation_config.json.
         given, defaults = req.model_fields_set, self._sampling_defaults_of()

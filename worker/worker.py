@@ -48,6 +48,7 @@ from ingest.partitioning import PartitionAudit
 from ingest.permissions import PermissionChecker
 from ingest.prompting import PromptBuilder
 from results.inflight import InFlight
+from results.transactions import TransactionCommitter
 from results.writer import ResultWriter
 from schemas import ModelDeployment
 from worker.deployments import DeploymentWatcher
@@ -62,7 +63,8 @@ log = logging.getLogger(__name__)
 # How often a worker checks that Kafka still lets it see its request topic.
 ACCESS_CHECK_EVERY_S = 30.0
 # Compute-config fields whose change needs the model reloaded.
-RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora_rank", "dtype")
+RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora_rank", "dtype",
+                 "delivery")
 # Bounds of the waits that end on events.
 DRAIN_S = 30.0
 LEAVE_GROUP_S = 30.0
@@ -97,6 +99,9 @@ class Worker:
         self.prompts: PromptBuilder | None = None
         self.writer: ResultWriter | None = None  # made in `run`: it needs the event loop
         self.pump: EventPump | None = None
+        # Exactly-once delivery: closes the transactions (None: at-least-once).
+        self.committer: TransactionCommitter | None = None
+        self._committer_task: asyncio.Task[Any] | None = None
         self._serving = asyncio.Event()  # this pool is in the model's placement
         self._reload = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -174,6 +179,14 @@ class Worker:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.committer is not None:
+            # The last transaction, with what the drain finished (never after one failed).
+            if self.writer is not None:
+                await self.writer.flush()
+            if self.ingest is not None:
+                with contextlib.suppress(Exception):
+                    await self.ingest.commit()
+            self.committer.close()
         if self.writer is not None:
             await self.writer.stop()
         if self.ingest is not None:
@@ -265,8 +278,42 @@ class Worker:
             self.pump.switch(self.engine)
         if self.ingest is not None:
             self.ingest.adapters = frozenset(self.adapters.names)
+        await self._use_delivery(dep)
         log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
                  sorted(self.adapters.names), time.monotonic() - started)
+
+    async def _use_delivery(self, dep: ModelDeployment) -> None:
+        """At-least-once, or exactly-once: terminal records and offsets in transactions
+        under a transactional id as stable as the replica's group member id, so a
+        restarted replica fences its dead self and aborts what it left open."""
+        assert self.writer is not None
+        exactly_once = dep.compute_config.delivery == "exactly_once"
+        if not exactly_once:
+            if self.committer is not None:
+                self.committer.close()
+                if self._committer_task is not None:
+                    self._committer_task.cancel()
+                self.committer = self._committer_task = None
+                await self.writer.use_transactions(None)
+                log.info("delivery: at least once")
+            if self.ingest is not None:
+                self.ingest.transactions = None
+            return
+        group_id = self.settings.topic(self.model)
+        port = await connect(self.writer.use_transactions(f"{group_id}.{self.instance_id}"),
+                             self.settings, "the worker's transactional producer")
+        assert port is not None
+        if self.committer is None:
+            self.committer = TransactionCommitter(
+                port, group_id, self._pending_offsets, self.tracker.mark_committed,
+                on_commit=self.metrics.observe_transaction)
+            self._committer_task = self._spawn(self.committer.run(), "transaction commits")
+            log.info("delivery: exactly once (transactional id %s)", port.transactional_id)
+        if self.ingest is not None:
+            self.ingest.transactions = self.committer
+
+    def _pending_offsets(self) -> dict[Any, tuple[int, str]]:
+        return dict(self.ingest.pending_offsets()) if self.ingest is not None else {}
 
     async def _watch_engine(self, engine: Engine) -> None:
         """A replica whose runtime broke for good stops at once, without answering
@@ -350,7 +397,8 @@ class Worker:
                      if prompts.template is not None else "no chat template, plain framing")
         router = Router(self.writer, self.held, self._current_engine,
                         lambda: self.runtime.tokenizer if self.runtime else None,
-                        lambda: self._current_runtime().model_config.sampling_defaults)
+                        lambda: self._current_runtime().model_config.sampling_defaults,
+                        finished=self.tracker.finish, on_cancel=self.metrics.observe_cancel)
         ingest = RequestIngest(
             ingest_options(self.settings, self.model, self.instance_id),
             tracker=self.tracker, checker=checker, prompts=prompts, route=router.route,
@@ -359,6 +407,7 @@ class Worker:
         )
         ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
         ingest.adapters = frozenset(self.adapters.names)
+        ingest.transactions = self.committer
         return ingest
 
     def _current_runtime(self) -> Runtime:
@@ -367,6 +416,8 @@ class Worker:
 
     def _remember_turn(self, ctx: InFlight, event: bt.Finished) -> None:
         """A templated chat's answer, so that its next turn is found in the KV cache."""
+        if event.finish_reason == "cancelled":
+            return  # the client stopped it: no turn to build on
         if ctx.chat is not None and self.prompts is not None and self.runtime is not None:
             self.prompts.remember(ctx.chat, event.token_ids, ctx.decoder.text(),
                                   self.runtime.model_config.eos_token_ids)

@@ -34,7 +34,8 @@ def register(app: typer.Typer) -> None:
         system: Annotated[str | None, typer.Option("--system", help="A system prompt.")]
         = None,
     ) -> None:
-        """Chat with a model through Kafka; one line per turn, /exit or Ctrl-D to leave."""
+        """Chat with a model through Kafka; one line per turn, /exit or Ctrl-D to leave;
+        Ctrl-C during an answer cancels it."""
         import asyncio
 
         import uvloop
@@ -52,6 +53,26 @@ def register(app: typer.Typer) -> None:
             messages.append({"role": "system", "content": system})
 
         async def turn(client: Client, text: str) -> None:
+            """One answer; Ctrl-C while it streams cancels it (the SDK sends a cancel
+            record, so the worker stops generating) and the chat goes on."""
+            import signal
+
+            answer = asyncio.ensure_future(answer_turn(client, text))
+            loop = asyncio.get_running_loop()
+            previous = signal.getsignal(signal.SIGINT)
+            loop.add_signal_handler(signal.SIGINT, answer.cancel)
+            try:
+                await answer
+            except asyncio.CancelledError:
+                if not answer.cancelled():
+                    raise
+                console.print("\n[dim](cancelled)[/]")
+                messages.pop()
+            finally:
+                loop.remove_signal_handler(signal.SIGINT)
+                signal.signal(signal.SIGINT, previous)
+
+        async def answer_turn(client: Client, text: str) -> None:
             messages.append({"role": "user", "content": text})
             reply = ""
             try:

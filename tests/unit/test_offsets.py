@@ -15,7 +15,7 @@ def test_commit_point_is_lowest_unfinished() -> None:
         assert tracker.start("p0", offset) == 0
     assert tracker.commit_point("p0") == (5, "h=7;a=0")
     tracker.finish("p0", 6)
-    assert tracker.commit_point("p0") == (5, "h=7;a=0")
+    assert tracker.commit_point("p0") == (5, "h=7;a=0;u=5,7")  # 6 is done already
     tracker.finish("p0", 5)
     assert tracker.commit_point("p0") == (7, "h=7;a=0")
     tracker.finish("p0", 7)
@@ -32,6 +32,25 @@ def test_pending_commits_only_when_changed() -> None:
     assert tracker.pending_commits() == {}
     tracker.finish("p0", 0)
     assert tracker.pending_commits() == {"p0": (1, "h=0;a=0")}
+
+
+def test_records_a_crashed_owner_finished_are_not_served_again() -> None:
+    tracker = OffsetTracker()
+    tracker.assign("p0", None)
+    for offset in range(10, 20):
+        tracker.start("p0", offset)
+    for offset in (11, 12, 13, 15, 19):
+        tracker.finish("p0", offset)
+    point, meta = tracker.commit_point("p0")
+    assert (point, meta) == (10, "h=19;a=0;u=10,14,16-18")
+
+    heir = OffsetTracker()
+    heir.assign("p0", meta)
+    served = [o for o in range(point, 22) if not heir.finished_earlier("p0", o)]
+    assert served == [10, 14, 16, 17, 18, 20, 21]
+    legacy = OffsetTracker()
+    legacy.assign("p0", "h=19;a=0")  # no list: everything up to h is served again
+    assert not any(legacy.finished_earlier("p0", o) for o in range(10, 22))
 
 
 def test_records_left_by_a_crashed_owner_get_the_next_attempt() -> None:

@@ -229,6 +229,27 @@ def test_cancel_waiting_and_running_requests_frees_blocks() -> None:
     assert not rt.sequences
 
 
+def test_a_clients_cancel_is_answered_with_the_tokens_so_far() -> None:
+    """A client's cancel ends a running request with `done` ("cancelled") carrying the
+    tokens it generated, and a queued one the same way with none; no leaks."""
+    clock, rt, sched, trace = setup(max_num_batched_tokens=8)
+    sched.submit(make_request("run", prompt(1, 8), arrival=clock.now, max_tokens=50))
+    sched.submit(make_request("wait", prompt(2, 8), arrival=clock.now, max_ttft=20.0))
+    step(sched, rt, trace)
+    assert sched.cancel("wait", answer=True)  # still queued behind "run"
+    for _ in range(3):
+        step(sched, rt, trace)
+    assert sched.cancel("run", answer=True)
+    run_until_idle(sched, rt, trace)
+    ran, queued = trace.terminal("run"), trace.terminal("wait")
+    assert isinstance(ran, Finished) and ran.finish_reason == "cancelled"
+    assert 1 <= len(ran.token_ids) < 50
+    assert isinstance(queued, Finished) and queued.finish_reason == "cancelled"
+    assert queued.token_ids == ()
+    assert rt.block_manager.num_free_blocks == rt.block_manager.num_blocks
+    assert not rt.sequences
+
+
 def test_step_failure_of_one_request_spares_the_others() -> None:
     clock, rt, sched, trace = setup()
     for i in range(3):
