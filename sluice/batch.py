@@ -18,10 +18,10 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -30,6 +30,8 @@ from sluice.client import Client
 from sluice.errors import RequestTimeoutError
 
 BULK_MAX_TTFT_MS = 24 * 3600 * 1000
+
+T = TypeVar("T")
 
 
 class BatchInputError(ValueError):
@@ -90,8 +92,12 @@ def drop_torn_tail(out_path: Path) -> None:
             out.truncate(data.rfind(b"\n") + 1)
 
 
-def _outcomes(out_path: Path) -> dict[str, bool]:
-    """custom_id -> whether its (last) line in OUT is an answer; a torn last line
+# The resumable-output helpers below key OUT's lines by one field: `custom_id` for
+# `sluice batch`, `replay_request_id` for `sluice replay`.
+
+
+def _outcomes(out_path: Path, key: str = "custom_id") -> dict[str, bool]:
+    """id -> whether its (last) line in OUT is an answer; a torn last line
     (killed mid-write) is ignored."""
     outcomes: dict[str, bool] = {}
     if not out_path.exists():
@@ -99,23 +105,23 @@ def _outcomes(out_path: Path) -> dict[str, bool]:
     for raw in out_path.read_bytes().splitlines():
         try:
             line = orjson.loads(raw)
-            outcomes[str(line["custom_id"])] = line.get("response") is not None
+            outcomes[str(line[key])] = line.get("response") is not None
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             continue
     return outcomes
 
 
-def answered_ids(out_path: Path) -> set[str]:
-    """custom_ids answered (a `done` response) in OUT."""
-    return {cid for cid, answered in _outcomes(out_path).items() if answered}
+def answered_ids(out_path: Path, key: str = "custom_id") -> set[str]:
+    """ids answered (a `done` response) in OUT."""
+    return {cid for cid, answered in _outcomes(out_path, key).items() if answered}
 
 
-def failed_ids(out_path: Path) -> set[str]:
-    """custom_ids whose line in OUT is an error or a timeout."""
-    return {cid for cid, answered in _outcomes(out_path).items() if not answered}
+def failed_ids(out_path: Path, key: str = "custom_id") -> set[str]:
+    """ids whose line in OUT is an error or a timeout."""
+    return {cid for cid, answered in _outcomes(out_path, key).items() if not answered}
 
 
-def drop_lines(out_path: Path, custom_ids: set[str]) -> None:
+def drop_lines(out_path: Path, custom_ids: set[str], key: str = "custom_id") -> None:
     """Rewrite OUT without the lines of `custom_ids` (atomically: a crash leaves the old
     file or the new one, never half of one)."""
     if not custom_ids or not out_path.exists():
@@ -123,7 +129,7 @@ def drop_lines(out_path: Path, custom_ids: set[str]) -> None:
     kept = []
     for raw in out_path.read_bytes().splitlines(keepends=True):
         try:
-            if str(orjson.loads(raw)["custom_id"]) in custom_ids:
+            if str(orjson.loads(raw)[key]) in custom_ids:
                 continue
         except (orjson.JSONDecodeError, KeyError, TypeError):
             pass
@@ -134,6 +140,43 @@ def drop_lines(out_path: Path, custom_ids: set[str]) -> None:
         out.flush()
         os.fsync(out.fileno())
     tmp.replace(out_path)
+
+
+def append_line(out: Any, line: dict[str, Any]) -> None:
+    """One output line, flushed at once: a run killed midway loses nothing it wrote."""
+    out.write(orjson.dumps(line) + b"\n")
+    out.flush()
+
+
+async def run_lanes(items: Iterable[T] | AsyncIterable[T],
+                    handle: Callable[[T], Awaitable[None]], lanes: int) -> None:
+    """`handle` every item, `lanes` at once: each lane takes the next item when it is
+    free. The first failure is raised as itself (the other lanes are cancelled)."""
+    if isinstance(items, AsyncIterable):
+        source = aiter(items)
+        turn = asyncio.Lock()  # an async iterator may not be advanced by two lanes at once
+
+        async def lane() -> None:
+            while True:
+                async with turn:
+                    try:
+                        item = await anext(source)
+                    except StopAsyncIteration:
+                        return
+                await handle(item)
+    else:
+        shared = iter(items)
+
+        async def lane() -> None:
+            for item in shared:  # lanes share the iterator: `lanes` at once
+                await handle(item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(max(1, lanes)):
+                group.create_task(lane())
+    except BaseExceptionGroup as failed:  # the first failure, as itself
+        raise failed.exceptions[0] from None
 
 
 def read_input(in_path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
@@ -190,9 +233,7 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
         with out_path.open("ab") as out:
 
             def write(custom_id: str, response: Any, error: Any) -> None:
-                line = {"custom_id": custom_id, "response": response, "error": error}
-                out.write(orjson.dumps(line) + b"\n")
-                out.flush()
+                append_line(out, {"custom_id": custom_id, "response": response, "error": error})
 
             async def one(custom_id: str, body: dict[str, Any]) -> None:
                 fields = {k: v for k, v in body.items() if k not in ("model", "v", "stream")}
@@ -200,7 +241,7 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
                 digest = hashlib.sha256(custom_id.encode()).hexdigest()[:20]
                 fields["request_id"] = f"batch-{run_tag}-{digest}"
                 try:
-                    event = await _complete(client, model, api_key, fields, timeout_s)
+                    event = await terminal_event(client, model, api_key, fields, timeout_s)
                 except RequestTimeoutError:
                     summary.num_unanswered += 1  # no line: the next run retries it
                     event = None
@@ -217,25 +258,17 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
                 if on_progress is not None:
                     on_progress(1)
 
-            lines = iter(todo)
-
-            async def lane() -> None:
-                for custom_id, body in lines:  # lanes share the iterator: `concurrency` at once
-                    await one(custom_id, body)
-
-            try:
-                async with asyncio.TaskGroup() as group:
-                    for _ in range(max(1, min(concurrency, len(todo)))):
-                        group.create_task(lane())
-            except BaseExceptionGroup as failed:  # the first failure, as itself
-                raise failed.exceptions[0] from None
+            await run_lanes(todo, lambda item: one(*item), min(concurrency, len(todo)))
     finally:
         summary.seconds = time.monotonic() - started
     return summary
 
 
-async def _complete(client: Client, model: str, api_key: str | None, fields: dict[str, Any],
-                    timeout_s: float | None) -> DoneEvent | ErrorEvent | TimeoutEvent:
+async def terminal_event(client: Client, model: str, api_key: str | None,
+                         fields: dict[str, Any], timeout_s: float | None
+                         ) -> DoneEvent | ErrorEvent | TimeoutEvent:
+    """Send one request (not streamed) and return its terminal event; RequestTimeoutError
+    when none comes within the client's deadline."""
     async for event in client.stream(model=model, api_key=api_key, stream=False,
                                      timeout=timeout_s, **fields):
         if isinstance(event, DoneEvent | ErrorEvent | TimeoutEvent):

@@ -19,6 +19,7 @@ from sluice.cli import (
     infra_cmd,
     models_cmd,
     registry_cmd,
+    replay_cmd,
     schemas_cmd,
     worker_cmd,
 )
@@ -31,7 +32,7 @@ app = typer.Typer(
 )
 
 for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, worker_cmd,
-               batch_cmd, chat_cmd, demo_cmd, bench_cmd):
+               batch_cmd, replay_cmd, chat_cmd, demo_cmd, bench_cmd):
     module.register(app)
 
 
