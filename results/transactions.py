@@ -126,10 +126,10 @@ class TransactionCommitter:
         commit points moved; raises TransactionsFailed (for good) if it fails."""
         port = self._port
         async with port.gate:
-            if port.failure is not None:
-                raise TransactionsFailed(f"transactions failed: {port.failure}")
             if self._closed:
                 return
+            if port.failure is not None:
+                raise TransactionsFailed(f"transactions failed: {port.failure}")
             try:
                 await self._commit(port)
             except Exception as exc:
