@@ -2,7 +2,8 @@
 
 Shared topics at first start (`sluice.control` compacted), a model's request
 topic when the model is registered (with `LogAppendTime`, so a request's TTFT
-clock starts when the broker took it).
+clock starts when the broker took it). Replicated min(3, brokers) times, with
+`min.insync.replicas=2` once that is 3.
 """
 
 from __future__ import annotations
@@ -96,7 +97,12 @@ class TopicAdmin:
         created = []
         replicas = await self.replication_factor() if missing else 1
         for spec in missing:
-            topic = NewTopic(spec.name, spec.partitions, replicas, topic_configs=spec.configs)
+            configs = dict(spec.configs)
+            if replicas >= 3:
+                # An acknowledged write (acks=all) then survives the loss of any one
+                # broker, and one broker down does not stop writes.
+                configs.setdefault("min.insync.replicas", "2")
+            topic = NewTopic(spec.name, spec.partitions, replicas, topic_configs=configs)
             response = await dependency_call(
                 f"creating topic {spec.name}", self._admin.create_topics([topic]),
                 self._settings.client.timeout_secs,

@@ -22,6 +22,12 @@ class InfraError(RuntimeError):
     """A local-infrastructure failure with a message a person can act on."""
 
 
+# A cluster's nodes listen 100 ports apart (39092, 39192, 39292 by default), clear of
+# each other's controller ports and of the TLS and PostgreSQL defaults.
+NODE_PORT_STRIDE = 100
+MAX_BROKERS = 9
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "sluice"
@@ -36,11 +42,19 @@ class InfraConfig:
     kafka_controller_port: int = 39093
     postgres_port: int = 39432
     jar_cache_dir: Path | None = None
-    kafka_heap: str = "-Xms512m -Xmx1g"
+    # None: 512 MB - 1 GB for a single broker, less for each node of a cluster.
+    kafka_heap: str | None = None
     # `--secure`: SASL_SSL on kafka_port, mutual TLS on kafka_tls_port, ACLs enforced,
     # PostgreSQL over TLS only.
     secure: bool = False
     kafka_tls_port: int = 39094
+    # `--brokers N`: N combined broker+controller nodes; node k (0-based) listens
+    # NODE_PORT_STRIDE * k above kafka_port / kafka_controller_port.
+    brokers: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.brokers <= MAX_BROKERS:
+            raise InfraError(f"--brokers must be between 1 and {MAX_BROKERS}, not {self.brokers}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> InfraConfig:
@@ -52,6 +66,7 @@ class InfraConfig:
             "postgres_port": int(env.get("SLUICE_INFRA_POSTGRES_PORT", 39432)),
             "kafka_tls_port": int(env.get("SLUICE_INFRA_KAFKA_TLS_PORT", 39094)),
             "secure": env.get("SLUICE_INFRA_SECURE", "").lower() in ("1", "true", "yes"),
+            "brokers": int(env.get("SLUICE_INFRA_BROKERS") or 1),
         }
         if env.get("SLUICE_JAR_CACHE"):
             values["jar_cache_dir"] = Path(env["SLUICE_JAR_CACHE"])
@@ -62,6 +77,12 @@ class InfraConfig:
     @property
     def jars_root(self) -> Path:
         return self.jar_cache_dir or default_cache_dir() / "kafka-jars"
+
+    def kafka_node_ports(self) -> list[tuple[int, int]]:
+        """(listener, controller) port of each Kafka node, node 1 first."""
+        return [(self.kafka_port + NODE_PORT_STRIDE * k,
+                 self.kafka_controller_port + NODE_PORT_STRIDE * k)
+                for k in range(self.brokers)]
 
 
 def require_tool(name: str, install_hint: str) -> str:

@@ -1,8 +1,8 @@
-"""`sluice infra`: the local Kafka broker and PostgreSQL, started and stopped together."""
+"""`sluice infra`: the local Kafka broker (or cluster) and PostgreSQL, started and stopped
+together."""
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 
 from infra import kafka_broker, postgres
@@ -30,9 +30,9 @@ def status(cfg: InfraConfig) -> dict[str, dict[str, object]]:
 
 
 def running_config(cfg: InfraConfig) -> InfraConfig:
-    """`cfg` in the mode (plain or secure) the local broker runs in, if it runs."""
-    secure = kafka_broker.status(cfg)["secure"]
-    return cfg if secure == cfg.secure else dataclasses.replace(cfg, secure=bool(secure))
+    """`cfg` in the mode (plain, secure, or a cluster with its own ports) the local
+    broker runs in, if it runs."""
+    return kafka_broker.running_config(cfg)
 
 
 def env(cfg: InfraConfig, mtls: bool = False) -> dict[str, str]:

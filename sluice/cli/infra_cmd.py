@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import orjson
 import typer
@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from infra import local
-from infra.common import InfraConfig, InfraError
+from infra.common import MAX_BROKERS, InfraConfig, InfraError
 
 StateDir = Annotated[
     Path | None, typer.Option("--state-dir", help="Where the broker and database keep state.")
@@ -28,15 +28,19 @@ TlsPort = Annotated[int | None, typer.Option(
 
 def _config(
     state_dir: Path | None, kafka_port: int | None, ctrl: int | None, pg_port: int | None,
-    tls_port: int | None = None, secure: bool | None = None,
+    tls_port: int | None = None, secure: bool | None = None, brokers: int | None = None,
 ) -> InfraConfig:
-    return InfraConfig.from_env(
-        state_dir=state_dir, kafka_port=kafka_port, kafka_controller_port=ctrl,
-        postgres_port=pg_port, kafka_tls_port=tls_port, secure=secure or None,
-    )
+    try:
+        return InfraConfig.from_env(
+            state_dir=state_dir, kafka_port=kafka_port, kafka_controller_port=ctrl,
+            postgres_port=pg_port, kafka_tls_port=tls_port, secure=secure or None,
+            brokers=brokers,
+        )
+    except InfraError as exc:  # e.g. SLUICE_INFRA_BROKERS out of range
+        _fail(exc)
 
 
-def _fail(exc: InfraError) -> None:
+def _fail(exc: InfraError) -> NoReturn:
     Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
     raise typer.Exit(1)
 
@@ -48,10 +52,17 @@ def _print_status(report: dict[str, dict[str, object]]) -> None:
         if info.get("tls_bootstrap"):
             endpoint = f"{endpoint} (mTLS {info['tls_bootstrap']})"
         up = "[green]yes[/]" if info["up"] else "[red]no[/]"
+        pid = str(info["pid"] or "-")
+        nodes = info.get("nodes")
+        if isinstance(nodes, list):  # a cluster: how many of its brokers are live
+            live = sum(1 for node in nodes if node["up"])
+            if info["up"]:
+                up = f"[green]yes[/] ({live}/{len(nodes)} brokers)" if live == len(nodes) \
+                    else f"[yellow]yes[/] ({live}/{len(nodes)} brokers)"
+            pid = ",".join(str(node["pid"] or "-") for node in nodes)
         security = ("SASL_SSL, ACLs" if name == "kafka" else "TLS only") if info.get("secure") \
             else "plaintext"
-        table.add_row(name, up, endpoint, security, str(info["version"]),
-                      str(info["pid"] or "-"))
+        table.add_row(name, up, endpoint, security, str(info["version"]), pid)
     Console().print(table)
 
 
@@ -66,7 +77,7 @@ def _hide_password(url: str) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    infra = typer.Typer(help="A local Apache Kafka broker (KRaft) and PostgreSQL.")
+    infra = typer.Typer(help="A local Apache Kafka broker or cluster (KRaft) and PostgreSQL.")
     app.add_typer(infra, name="infra")
 
     @infra.command("up")
@@ -78,10 +89,16 @@ def register(app: typer.Typer) -> None:
             "--secure", help="Kafka with SASL_SSL (SCRAM, user admin) and mutual TLS, ACLs "
             "enforced; PostgreSQL over TLS only (SLUICE_INFRA_SECURE=1). `sluice infra env` "
             "prints the client settings.")] = False,
+        brokers: Annotated[int | None, typer.Option(
+            "--brokers", min=1, max=MAX_BROKERS,
+            help="Kafka nodes (combined broker+controller; SLUICE_INFRA_BROKERS; default 1). "
+            "Node k listens 100*k above the first node's ports; with 3 or more, topics are "
+            "replicated 3 times with min.insync.replicas=2. Plaintext only.")] = None,
     ) -> None:
-        """Start the local broker and database (a no-op for what already runs)."""
+        """Start the local broker (or cluster) and database (a no-op for what already
+        runs; a cluster's stopped nodes are started again)."""
         cfg = _config(state_dir, kafka_port, kafka_controller_port, postgres_port,
-                      kafka_tls_port, secure)
+                      kafka_tls_port, secure, brokers)
         started = time.monotonic()
         try:
             report = local.up(cfg)
