@@ -82,7 +82,7 @@ class PromptBuilder:
             return Prompt(ids)
         if request.prompt is not None:
             return Prompt(self.text_ids(request.prompt))
-        messages = [(m.role, m.content) for m in request.messages or []]
+        messages = [(m.role, m.text) for m in request.messages or []]
         return self.chat(messages, request.adapter)
 
     def text_ids(self, text: str) -> list[int]:

@@ -18,11 +18,27 @@ Role = Literal["system", "user", "assistant", "tool"]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
+class TextPart(BaseModel):
+    """One part of a list-form message content (OpenAI's `[{"type": "text", ...}]`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Role
-    content: str
+    # A string, or text parts (joined, as chat templates see a string).
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class InferenceRequest(BaseModel):

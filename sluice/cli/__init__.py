@@ -15,6 +15,7 @@ from sluice.cli import (
     bench_cmd,
     chat_cmd,
     demo_cmd,
+    gateway_cmd,
     generate_cmd,
     infra_cmd,
     models_cmd,
@@ -32,7 +33,7 @@ app = typer.Typer(
 )
 
 for module in (infra_cmd, schemas_cmd, models_cmd, registry_cmd, generate_cmd, worker_cmd,
-               batch_cmd, replay_cmd, chat_cmd, demo_cmd, bench_cmd):
+               batch_cmd, replay_cmd, chat_cmd, gateway_cmd, demo_cmd, bench_cmd):
     module.register(app)
 
 

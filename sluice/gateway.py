@@ -1,0 +1,299 @@
+"""`sluice gateway`: an OpenAI-compatible HTTP API onto the topics.
+
+`POST /v1/chat/completions` and `POST /v1/completions` become requests on the
+model's request topic (`MODEL` or `MODEL:ADAPTER` as the model id); their
+events come back on this gateway's own reply topic (`<prefix>.gateway.<id>`,
+made at start) and go out as OpenAI's JSON or server-sent event chunks.
+`GET /v1/models` lists the models and adapters the caller's key is granted;
+`GET /health` says the gateway is up. The bearer token is the sluice API key:
+the workers check it, as for any request. The Kafka key is the `x-session-id`
+header, else a digest of the model and the conversation's opening, so every
+turn of a conversation reaches the worker holding its KV cache. A client that
+disconnects cancels its request (a cancel record: the worker stops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import orjson
+import pydantic
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from common.errors import KafkaAccessError
+from common.settings import Settings
+from common.topics import TopicAdmin, TopicSpec
+from schemas import DoneEvent, ErrorEvent, ReplyEvent, TimeoutEvent, TokenEvent
+from sluice import openai_api as oai
+from sluice.client import Client
+from sluice.errors import InvalidRequestError, RequestTimeoutError, UnknownModelError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+REPLY_RETENTION_MS = 3_600_000  # a gateway's replies are read at once; an hour is plenty
+DISCONNECT_POLL_S = 0.25
+
+
+class _JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def _error(exc: oai.OpenAIError) -> Response:
+    return _JSON(exc.body(), status_code=exc.status)
+
+
+class Gateway:
+    def __init__(self, settings: Settings, instance_id: str | None = None):
+        self.settings = settings
+        self.instance_id = instance_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.reply_topic = settings.topic(f"gateway.{self.instance_id}")
+        self.client = Client(settings)
+        self._checker: Any = None
+        self._pool: Any = None
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ], lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        from common.db import create_pool, notify_channel
+        from ingest.permissions import PermissionChecker
+
+        async with TopicAdmin(self.settings) as admin:
+            await admin.ensure([TopicSpec(self.reply_topic, 1,
+                                          {"retention.ms": str(REPLY_RETENTION_MS)})])
+        self._pool = await create_pool(self.settings, max_size=2)
+        self._checker = PermissionChecker(self._pool, notify_channel(self.settings.db_schema),
+                                          call_timeout_s=self.settings.client.timeout_secs)
+        log.info("gateway %s replies on %s", self.instance_id, self.reply_topic)
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        if self._pool is not None:
+            await self._pool.close()
+
+    # ---- routes --------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat", oai.ChatCompletionBody)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion", oai.CompletionBody)
+
+    async def health(self, _request: Request) -> Response:
+        return _JSON({"status": "ok", "reply_topic": self.reply_topic})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            return _JSON({"object": "list", "data": await self._granted_models(request)})
+        except oai.OpenAIError as exc:
+            return _error(exc)
+
+    async def model(self, request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        try:
+            found = [m for m in await self._granted_models(request) if m["id"] == wanted]
+        except oai.OpenAIError as exc:
+            return _error(exc)
+        if not found:
+            return _error(oai.OpenAIError(404, f"model {wanted!r} does not exist or this key "
+                                          "is not granted it", "not_found_error",
+                                          "model_not_found"))
+        return _JSON(found[0])
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _api_key(self, request: Request) -> str:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise oai.OpenAIError(401, "missing `Authorization: Bearer <sluice API key>`",
+                                  "authentication_error", "unauthorized")
+        return key.strip()
+
+    async def _granted_models(self, request: Request) -> list[dict[str, Any]]:
+        key = self._api_key(request)
+        auth = f"Bearer {key}"
+        if await self._checker.tenant_of(auth) is None:
+            raise oai.OpenAIError(401, "unknown or revoked API key", "authentication_error",
+                                  "unauthorized")
+        deployments = await asyncio.to_thread(self.client.models.list)
+        out = []
+        for dep in deployments:
+            created = 0
+            for adapter in [None, *(a.name for a in dep.adapters)]:
+                if (await self._checker.check(auth, dep.model, adapter)).allowed:
+                    out.append({"id": dep.model if adapter is None else f"{dep.model}:{adapter}",
+                                "object": "model", "created": created, "owned_by": "sluice",
+                                "root": dep.model, "parent": None if adapter is None
+                                else dep.model})
+        return out
+
+    async def _generate(self, request: Request, kind: oai.Kind,
+                        body_type: type[oai.ChatCompletionBody] | type[oai.CompletionBody]
+                        ) -> Response:
+        try:
+            key = self._api_key(request)
+            try:
+                body = body_type.model_validate(orjson.loads(await request.body()))
+            except (orjson.JSONDecodeError, pydantic.ValidationError) as exc:
+                raise oai.OpenAIError(400, f"invalid request body: {exc}") from None
+            body.unserved()
+            fields = body.fields()
+            model, adapter = oai.split_model(body.model)
+            events = self.client.stream(
+                model=model, adapter=adapter, api_key=key,
+                request_id=f"oai-{uuid.uuid4().hex}",
+                session_id=oai.session_key(body.model, fields,
+                                           request.headers.get("x-session-id")),
+                reply_topic=self.reply_topic, stream=body.stream, **fields)
+            first = await self._unless_disconnected(request, self._first(events))
+        except oai.OpenAIError as exc:
+            return _error(exc)
+        if first is None:  # the client left; the stream's close sent the cancel
+            return Response(status_code=499)
+        created = oai.now()
+        if not body.stream:
+            await events.aclose()
+            assert isinstance(first, DoneEvent)
+            build = oai.chat_completion if kind == "chat" else oai.text_completion
+            return _JSON(build(first, body.model, created))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            self._chunks(kind, first, events, body.model, created, include_usage),
+            media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    async def _first(self, events: AsyncIterator[ReplyEvent]) -> ReplyEvent:
+        """The first event, or the request's failure as an OpenAI error."""
+        try:
+            event = await anext(events)
+        except UnknownModelError as exc:
+            raise oai.OpenAIError(404, str(exc), "not_found_error", "model_not_found") from None
+        except InvalidRequestError as exc:
+            raise oai.OpenAIError(400, str(exc)) from None
+        except RequestTimeoutError as exc:
+            raise oai.OpenAIError(504, str(exc), "timeout_error", "timeout") from None
+        except KafkaAccessError as exc:
+            raise oai.OpenAIError(503, str(exc), "server_error", "unavailable") from None
+        except StopAsyncIteration:
+            raise oai.OpenAIError(500, "the reply stream ended without an event",
+                                  "server_error") from None
+        self._raise_if_failed(event)
+        return event
+
+    @staticmethod
+    def _raise_if_failed(event: ReplyEvent) -> None:
+        if isinstance(event, ErrorEvent):
+            raise oai.error_of(event.code.value, event.message)
+        if isinstance(event, TimeoutEvent):
+            raise oai.OpenAIError(504, f"no first token within max_ttft_ms "
+                                  f"({event.max_ttft_ms} ms; waited {event.waited_ms:.0f} ms)",
+                                  "timeout_error", "timeout")
+
+    async def _unless_disconnected(self, request: Request, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None (work cancelled) if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _chunks(self, kind: oai.Kind, first: ReplyEvent,
+                      events: AsyncIterator[ReplyEvent], model_id: str, created: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events; closing this early (a disconnect) closes `events`, whose
+        close sends the cancel record."""
+        def sse(payload: dict[str, Any]) -> bytes:
+            return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+        request_id = first.request_id
+        try:
+            if kind == "chat":
+                yield sse(oai.chunk(kind, request_id, model_id, created, text="", role=True))
+            event: ReplyEvent | None = first
+            while event is not None:
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        yield sse(oai.chunk(kind, request_id, model_id, created,
+                                            text=event.text))
+                elif isinstance(event, DoneEvent):
+                    yield sse(oai.chunk(kind, request_id, model_id, created,
+                                        finish=oai.finish_reason(event)))
+                    if include_usage:
+                        yield sse(oai.usage_chunk(kind, event, model_id, created))
+                    break
+                else:
+                    try:
+                        self._raise_if_failed(event)
+                    except oai.OpenAIError as exc:
+                        yield sse(exc.body())
+                    break
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    event = None
+                except RequestTimeoutError as exc:
+                    yield sse(oai.OpenAIError(504, str(exc), "timeout_error", "timeout").body())
+                    break
+            yield b"data: [DONE]\n\n"
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+async def serve(settings: Settings, host: str, port: int, instance_id: str | None = None,
+                ready: asyncio.Event | None = None) -> None:
+    """Run the gateway until cancelled (or a signal, under `sluice gateway`)."""
+    import uvicorn
+
+    gateway = Gateway(settings, instance_id)
+    config = uvicorn.Config(gateway.app, host=host, port=port, loop="none", http="httptools",
+                            log_level="warning", lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    if ready is None:
+        await server.serve()
+        return
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                await task
+                raise RuntimeError("the gateway stopped before it started")
+            await asyncio.sleep(0.05)
+        ready.set()
+        await asyncio.shield(task)
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task

@@ -1,0 +1,263 @@
+"""OpenAI's API shapes, translated to and from sluice's (the gateway and batch files).
+
+Requests: `ChatCompletionBody` / `CompletionBody` (what OpenAI clients send) to
+the fields of an `InferenceRequest`; model ids are `MODEL` or `MODEL:ADAPTER`.
+Answers: a `done` event to a `chat.completion` / `text_completion` object, token
+events to stream chunks, sluice's error codes to OpenAI's status and error body.
+Fields sluice does not serve yet are refused by name (400), never ignored in
+silence: a request asking for tools or logprobs must not get an answer that
+looks like it honoured them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas import DoneEvent, ErrorCode
+
+# OpenAI fields sluice does not serve yet, and the value that means "not asked for".
+_UNSERVED_DEFAULTS: dict[str, Any] = {
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "logit_bias": None, "logprobs": False, "top_logprobs": None, "echo": False,
+    "best_of": None, "suffix": None, "audio": None, "modalities": None,
+    "prediction": None, "presence_penalty": 0, "frequency_penalty": 0,
+}
+_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# sluice error code -> (HTTP status, OpenAI error type)
+_STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.UNAUTHORIZED.value: (401, "authentication_error"),
+    ErrorCode.UNKNOWN_MODEL.value: (404, "not_found_error"),
+    ErrorCode.UNKNOWN_ADAPTER.value: (404, "not_found_error"),
+    ErrorCode.INVALID_REQUEST.value: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_TOO_LONG.value: (400, "invalid_request_error"),
+    ErrorCode.OVERLOADED.value: (429, "rate_limit_error"),
+    ErrorCode.INTERNAL.value: (500, "server_error"),
+}
+
+
+def error_of(code: str, message: str) -> OpenAIError:
+    status, type_ = _STATUS.get(code, (500, "server_error"))
+    return OpenAIError(status, message, type_, code)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are checked by name below
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)  # an extension, as vLLM's
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    def unserved(self) -> None:
+        """Refuse (400) fields asked for that sluice does not serve yet."""
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in _UNSERVED_DEFAULTS and value not in (_UNSERVED_DEFAULTS[name], None):
+                raise OpenAIError(400, f"`{name}` is not supported by sluice yet", param=name)
+        if self.n != 1:
+            raise OpenAIError(400, "`n` > 1 is not supported by sluice yet", param="n")
+
+    def common_fields(self, max_tokens: int | None) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        if self.stop is not None:
+            fields["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        metadata = dict(self.metadata or {})
+        if self.user is not None:
+            metadata["user"] = self.user
+        if metadata:
+            fields["metadata"] = metadata
+        return fields
+
+
+class ChatCompletionBody(_Body):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: dict[str, Any] | None = None
+
+    def unserved(self) -> None:
+        super().unserved()
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise OpenAIError(400, f"response_format {kind!r} is not supported by sluice yet",
+                              param="response_format")
+
+    def fields(self) -> dict[str, Any]:
+        fields = self.common_fields(self.max_completion_tokens or self.max_tokens)
+        fields["messages"] = [_message(m, i) for i, m in enumerate(self.messages)]
+        return fields
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int]
+
+    def fields(self) -> dict[str, Any]:
+        fields = self.common_fields(self.max_tokens or 16)  # OpenAI's default for completions
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            fields["prompt_token_ids"] = prompt
+        elif isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "a list of several prompts is not supported by sluice "
+                                  "yet; send one request per prompt", param="prompt")
+            fields["prompt"] = prompt[0]
+        else:
+            fields["prompt"] = prompt
+        return fields
+
+
+def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """One OpenAI message as sluice's: role and content (string or text parts)."""
+    role = message.get("role")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise OpenAIError(400, f"messages[{index}].role {role!r} is not one of system, "
+                          "developer, user, assistant, tool", param=f"messages[{index}].role")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OpenAIError(400, f"messages[{index}]: content parts of type {kind!r} "
+                                  "are not supported (text only)",
+                                  param=f"messages[{index}].content")
+        content = [{"type": "text", "text": str(part.get("text", ""))} for part in content]
+    elif not isinstance(content, str):
+        raise OpenAIError(400, f"messages[{index}].content must be a string or a list of "
+                          "text parts", param=f"messages[{index}].content")
+    return {"role": role, "content": content}
+
+
+def split_model(model_id: str) -> tuple[str, str | None]:
+    """`MODEL` or `MODEL:ADAPTER`."""
+    model, _, adapter = model_id.partition(":")
+    return model, adapter or None
+
+
+def session_key(model_id: str, fields: dict[str, Any], header: str | None) -> str:
+    """The Kafka key, so every turn of a conversation lands on one partition (and the
+    worker holding its KV cache): `x-session-id` when given, else a digest of the
+    model id and the conversation's first messages (system and first user turn)."""
+    if header:
+        return header
+    messages = fields.get("messages")
+    if messages:
+        opening = messages[:2] if messages[0]["role"] == "system" else messages[:1]
+        basis: Any = opening
+    else:
+        basis = fields.get("prompt") or fields.get("prompt_token_ids")
+    digest = hashlib.sha256(orjson.dumps([model_id, basis], option=orjson.OPT_SORT_KEYS))
+    return "oai-" + digest.hexdigest()[:32]
+
+
+def usage(done: DoneEvent) -> dict[str, Any]:
+    u = done.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def finish_reason(done: DoneEvent) -> str:
+    return _FINISH_REASONS.get(done.finish_reason, "stop")
+
+
+def chat_completion(done: DoneEvent, model_id: str, created: int) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{done.request_id}", "object": "chat.completion", "created": created,
+        "model": model_id, "system_fingerprint": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text,
+                                             "refusal": None},
+                     "logprobs": None, "finish_reason": finish_reason(done)}],
+        "usage": usage(done),
+    }
+
+
+def text_completion(done: DoneEvent, model_id: str, created: int) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{done.request_id}", "object": "text_completion", "created": created,
+        "model": model_id, "system_fingerprint": None,
+        "choices": [{"index": 0, "text": done.text, "logprobs": None,
+                     "finish_reason": finish_reason(done)}],
+        "usage": usage(done),
+    }
+
+
+Kind = Literal["chat", "completion"]
+
+
+def chunk(kind: Kind, request_id: str, model_id: str, created: int, *, text: str | None = None,
+          role: bool = False, finish: str | None = None) -> dict[str, Any]:
+    """One streamed chunk: a piece of text (with the role, first), or the finish."""
+    if kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}
+        return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
+                "created": created, "model": model_id, "system_fingerprint": None,
+                "choices": [choice]}
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
+            "model": model_id, "system_fingerprint": None,
+            "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                         "finish_reason": finish}]}
+
+
+def usage_chunk(kind: Kind, done: DoneEvent, model_id: str, created: int) -> dict[str, Any]:
+    prefix, obj = (("chatcmpl", "chat.completion.chunk") if kind == "chat"
+                   else ("cmpl", "text_completion"))
+    return {"id": f"{prefix}-{done.request_id}", "object": obj, "created": created,
+            "model": model_id, "system_fingerprint": None, "choices": [],
+            "usage": usage(done)}
+
+
+def now() -> int:
+    return int(time.time())

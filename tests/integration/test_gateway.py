@@ -1,0 +1,128 @@
+"""`sluice gateway` used by the official `openai` client, on the real broker.
+
+Chat (streamed and not, list-form content), completions, the models list, an
+adapter as `MODEL:ADAPTER`, a wrong key (401), an unknown model (404), a field
+sluice does not serve (400), and a client that disconnects mid-stream: its
+request is cancelled on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import openai
+import pytest
+
+import sluice
+from sluice.gateway import serve
+from tests.conftest import free_port
+from tests.integration.pipeline_helpers import drop_schema, scrape_metrics, worker_process
+
+pytestmark = [pytest.mark.integration]
+
+
+async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path) -> None:
+    from gpu_runtime.tiny import make_tiny_adapters
+
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(tiny_model),
+                           compute_config={"kv_cache_len": 4096})
+    adapter_dir = make_tiny_adapters(tiny_model, tmp_path / "adapters", 1)[0]
+    client.adapters.register(model="tiny", name="a0", path=str(adapter_dir))
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    client.keys.grant(key, model="tiny", adapter="a0")
+    other = client.keys.create(tenant="globex")  # granted nothing
+    port = free_port()
+    ready = asyncio.Event()
+    gateway = asyncio.create_task(serve(settings, "127.0.0.1", port, "test", ready=ready))
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+                             max_retries=0, timeout=120)
+    try:
+        await asyncio.wait_for(ready.wait(), 60)
+        with worker_process(settings, "tiny", tmp_path) as worker:
+            messages = [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Say something."}]
+            chat = await api.chat.completions.create(model="tiny", messages=messages,
+                                                     max_completion_tokens=12, temperature=0)
+            assert chat.object == "chat.completion", worker.log()
+            answer = chat.choices[0].message.content
+            assert answer and chat.choices[0].finish_reason in ("stop", "length")
+            assert chat.usage.completion_tokens >= 1 and chat.usage.prompt_tokens > 0
+
+            # Streamed: the same greedy answer, chunk by chunk, then a usage chunk; the
+            # same conversation hits the KV cache (same session key, same worker).
+            pieces, usage, finish = [], None, None
+            stream = await api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=12, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+            async for part in stream:
+                if part.choices:
+                    pieces.append(part.choices[0].delta.content or "")
+                    finish = part.choices[0].finish_reason or finish
+                if part.usage is not None:
+                    usage = part.usage
+            assert "".join(pieces) == answer and finish == chat.choices[0].finish_reason
+            assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+            assert usage.prompt_tokens_details.cached_tokens > 0
+
+            # List-form text content is the same prompt.
+            parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                     {"role": "user", "content": [{"type": "text", "text": "Say "},
+                                                  {"type": "text", "text": "something."}]}]
+            listed = await api.chat.completions.create(model="tiny", messages=parts,
+                                                       max_completion_tokens=12, temperature=0)
+            assert listed.choices[0].message.content == answer
+
+            completion = await api.completions.create(model="tiny", prompt="Once upon",
+                                                      max_tokens=6, temperature=0)
+            assert completion.object == "text_completion"
+            assert completion.choices[0].text and completion.usage.completion_tokens >= 1
+
+            models = {m.id for m in (await api.models.list()).data}
+            assert models == {"tiny", "tiny:a0"}
+            adapted = await api.chat.completions.create(model="tiny:a0", messages=messages,
+                                                        max_completion_tokens=12, temperature=0)
+            assert adapted.choices[0].message.content
+
+            wrong = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=other,
+                                       max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.chat.completions.create(model="tiny", messages=messages)
+            assert (await wrong.models.list()).data == []  # a valid key, granted nothing
+            bogus = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                                       api_key="sk-sluice-nonsense", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await bogus.models.list()
+            with pytest.raises(openai.NotFoundError):
+                await api.chat.completions.create(model="ghost", messages=messages)
+            with pytest.raises(openai.NotFoundError):
+                await api.chat.completions.create(model="tiny:ghost", messages=messages)
+            with pytest.raises(openai.BadRequestError, match="tools"):
+                await api.chat.completions.create(model="tiny", messages=messages, tools=[{
+                    "type": "function", "function": {"name": "f", "parameters": {}}}])
+
+            # A client that goes away mid-stream: the worker stops its request.
+            stream = await api.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "A long story, please."}],
+                max_completion_tokens=2000, temperature=0, stream=True)
+            async for _part in stream:
+                break
+            await stream.close()
+
+            def cancelled() -> float:
+                found = re.search(r'sluice_cancels_total\{[^}]*outcome="cancelled"[^}]*\} (\S+)',
+                                  scrape_metrics(worker))
+                return float(found.group(1)) if found else 0.0
+
+            async with asyncio.timeout(30):
+                while await asyncio.to_thread(cancelled) < 1:
+                    await asyncio.sleep(0.2)
+    finally:
+        await api.close()
+        gateway.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gateway
+        await client.aclose()
+        await drop_schema(settings)
