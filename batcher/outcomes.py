@@ -35,7 +35,8 @@ def _ms(seconds: float) -> float:
 def token_event(state: RequestState, token_id: int) -> Tokens:
     req = state.request
     seq = len(state.output_token_ids) - 1
-    return Tokens(req.key, req.attempt, req.origin, seq, (token_id,))
+    logprobs = (state.output_logprobs[-1],) if state.output_logprobs else None
+    return Tokens(req.key, req.attempt, req.origin, seq, (token_id,), logprobs)
 
 
 def done_event(state: RequestState, finish_reason: str, now: float) -> Finished:
@@ -53,6 +54,7 @@ def done_event(state: RequestState, finish_reason: str, now: float) -> Finished:
                     len(state.output_token_ids)),
         Latency(_ms(first_scheduled - arrival), _ms(first_token - arrival), _ms(now - arrival)),
         req.adapter_key,
+        tuple(state.output_logprobs) if state.output_logprobs else None,
     )
 
 

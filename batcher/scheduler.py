@@ -245,6 +245,8 @@ class Scheduler:
         if not state.has_first_token:
             state.first_token_time = now
         state.output_token_ids.append(out.token_id)
+        if out.logprob is not None:
+            state.output_logprobs.append((out.logprob, out.top_logprobs))
         events: list[Event] = [outcomes.token_event(state, out.token_id)]
         if out.finished:
             state.num_cached_prompt_tokens = out.num_cached_prompt_tokens

@@ -24,6 +24,8 @@ class RequestState:
     num_computed_tokens: int = 0  # prompt + generated tokens in the KV cache
     num_cached_prompt_tokens: int = 0  # found cached at first admission
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=list)  # when the request asked for them
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -67,6 +67,10 @@ class Latency:
     total_ms: float  # arrival -> done
 
 
+# A generated token's log probability and the most likely alternatives' (id, logprob).
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
 @dataclass(frozen=True, slots=True)
 class Tokens:
     """Tokens a request just generated."""
@@ -76,6 +80,8 @@ class Tokens:
     origin: Any
     seq: int  # 0, 1, 2 ... per attempt
     token_ids: tuple[int, ...]
+    # Per token, when asked for: (logprob, ((id, logprob) of the most likely, ...)).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,7 @@ class Finished:
     counts: TokenCounts
     latency: Latency
     adapter_key: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # of every token, when asked for
 
 
 @dataclass(frozen=True, slots=True)

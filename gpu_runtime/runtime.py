@@ -297,10 +297,12 @@ class Runtime:
             [s.generator for s in seqs],
             logits.device,
         )
-        token_ids = sample(logits, batch, self.generator).tolist()
+        sampled = sample(logits, batch, self.generator)
+        token_ids = sampled.tolist()
+        logprobs = _logprobs(logits, sampled, [p.logprobs for p in params])
         limit = min(self.max_model_len, self.kv_capacity_tokens)
         outputs = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        for row, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             seq.token_ids.append(token_id)
             reason, stop_reason = check_stop(seq, token_id, self.tokenizer, limit)
             outputs.append(
@@ -312,8 +314,29 @@ class Runtime:
                     stop_reason,
                     seq.num_cached_prompt_tokens,
                     seq.num_generated,
+                    *logprobs.get(row, (None, ())),
                 )
             )
             if reason is not None:
                 self.remove_sequence(seq.seq_id)
         return outputs
+
+
+def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, wanted: list[int | None]
+              ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+    """Per row that asked: (the sampled token's log probability, the k most likely
+    tokens' (id, log probability)), from the log-softmax of the raw logits."""
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    if not rows:
+        return {}
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = logp.gather(1, sampled.index_select(0, index)[:, None]).squeeze(1).tolist()
+    k_max = max(wanted[i] or 0 for i in rows)
+    top_v, top_i = logp.topk(k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    out = {}
+    for j, row in enumerate(rows):
+        k = wanted[row] or 0
+        out[row] = (chosen[j], tuple(zip(top_i[j][:k], top_v[j][:k], strict=True)))
+    return out

@@ -25,6 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no log probabilities; k: the sampled token's and the k most likely, from the
+    # model's distribution (log-softmax of the raw logits, before temperature/top-k/p).
+    logprobs: int | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -83,6 +86,8 @@ class SeqOutput:
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_cached_prompt_tokens: int
     num_generated_tokens: int
+    logprob: float | None = None  # of the sampled token, when asked for
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the k most likely (id, logprob)
 
 
 @dataclass(frozen=True, slots=True)

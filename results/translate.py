@@ -8,6 +8,7 @@ to (a held-back UTF-8 tail goes out first as a last, token-less event).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from results.inflight import InFlight
@@ -20,9 +21,14 @@ from schemas import (
     TimeoutRecord,
     Timing,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     encode,
 )
+
+# What the runtime gives per token: (logprob, ((token id, logprob), ...)).
+RawLogprob = tuple[float, Sequence[tuple[int, float]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,23 +44,26 @@ class Translator:
     timeouts_topic: str
     deadletter_topic: str
 
-    def tokens(self, ctx: InFlight, token_ids: list[int]) -> WireRecord | None:
+    def tokens(self, ctx: InFlight, token_ids: list[int],
+               logprobs: Sequence[RawLogprob] | None = None) -> WireRecord | None:
         """A token event (None when the request is not streamed); the detokenizer keeps
         every token either way, so the done event's text is complete."""
         if not ctx.request.stream:
             ctx.decoder.ids.extend(token_ids)  # decoded once, for the done event
             return None
-        return self._token_event(ctx, token_ids, ctx.decoder.push(token_ids))
+        return self._token_event(ctx, token_ids, ctx.decoder.push(token_ids),
+                                 self._logprobs(ctx, token_ids, logprobs))
 
-    def _token_event(self, ctx: InFlight, token_ids: list[int], text: str) -> WireRecord:
+    def _token_event(self, ctx: InFlight, token_ids: list[int], text: str,
+                     logprobs: list[TokenLogprob] | None = None) -> WireRecord:
         event = TokenEvent(request_id=ctx.request_id, attempt=ctx.attempt, seq=ctx.next_seq,
-                           token_ids=token_ids, text=text)
+                           token_ids=token_ids, text=text, logprobs=logprobs)
         ctx.next_seq += 1
         return self._reply(ctx, encode(event))
 
     def done(self, ctx: InFlight, *, finish_reason: str, token_ids: list[int],
-             num_cached_prompt_tokens: int, timing: Timing,
-             adapter: str | None) -> list[WireRecord]:
+             num_cached_prompt_tokens: int, timing: Timing, adapter: str | None,
+             logprobs: Sequence[RawLogprob] | None = None) -> list[WireRecord]:
         """The done event — after a last token-less event with any text held back."""
         seen = len(ctx.decoder.ids)
         if len(token_ids) > seen:
@@ -75,8 +84,31 @@ class Translator:
                         cached_prompt_tokens=num_cached_prompt_tokens,
                         completion_tokens=len(token_ids)),
             timing=timing, model=self.model, adapter=adapter,
+            logprobs=self._logprobs(ctx, token_ids, logprobs),
         )
         return [*records, self._reply(ctx, encode(event))]
+
+    @staticmethod
+    def _logprobs(ctx: InFlight, token_ids: list[int],
+                  raw: Sequence[RawLogprob] | None) -> list[TokenLogprob] | None:
+        """The runtime's (logprob, ((id, logprob), ...)) per token, with each token's
+        own text (decoded alone, as OpenAI reports it)."""
+        if raw is None or not token_ids:
+            return None
+        tokenizer = ctx.decoder.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
+
+        def clamp(value: float) -> float:
+            return value if value > -9999.0 else -9999.0  # -inf (and nan): OpenAI's floor
+
+        return [
+            TokenLogprob(token_id=tid, token=decode([tid]), logprob=clamp(lp),
+                         top_logprobs=[TopLogprob(token_id=t, token=decode([t]),
+                                                  logprob=clamp(v)) for t, v in top])
+            for tid, (lp, top) in zip(token_ids, raw, strict=True)
+        ]
 
     def error(self, ctx: InFlight, code: ErrorCode, message: str) -> WireRecord:
         event = ErrorEvent(request_id=ctx.request_id, attempt=ctx.attempt, code=code,

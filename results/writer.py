@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -97,9 +97,10 @@ class ResultWriter:
 
     # ---- in-flight requests -----------------------------------------------------------
 
-    async def tokens(self, ctx: InFlight, token_ids: list[int]) -> None:
+    async def tokens(self, ctx: InFlight, token_ids: list[int],
+                     logprobs: Sequence[Any] | None = None) -> None:
         try:
-            record = self.translate.tokens(ctx, token_ids)
+            record = self.translate.tokens(ctx, token_ids, logprobs)
         except Exception:
             log.exception("a token event could not be built; the done event carries every "
                           "token", extra={"request_id": ctx.request_id})
@@ -109,12 +110,13 @@ class ResultWriter:
             await self.delivery.best_effort(record)
 
     async def done(self, ctx: InFlight, *, finish_reason: str, token_ids: list[int],
-                   num_cached_prompt_tokens: int, timing: Timing, adapter: str | None) -> None:
+                   num_cached_prompt_tokens: int, timing: Timing, adapter: str | None,
+                   logprobs: Sequence[Any] | None = None) -> None:
         try:
             records = self.translate.done(
                 ctx, finish_reason=finish_reason, token_ids=token_ids,
                 num_cached_prompt_tokens=num_cached_prompt_tokens, timing=timing,
-                adapter=adapter)
+                adapter=adapter, logprobs=logprobs)
         except Exception as exc:
             log.exception("a done event could not be built", extra={"request_id": ctx.request_id})
             await self.error(ctx, ErrorCode.INTERNAL,

@@ -16,6 +16,8 @@ from schemas.events import (
     TimeoutEvent,
     Timing,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from schemas.records import DeadLetterRecord, TimeoutRecord
@@ -43,6 +45,8 @@ __all__ = [
     "TimeoutRecord",
     "Timing",
     "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
     "decode",
     "encode",

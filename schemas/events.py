@@ -27,12 +27,28 @@ class _Event(BaseModel):
     request_id: MessageId
 
 
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token_id: int
+    token: str  # the token alone, decoded
+    logprob: float  # -9999.0 for a token that cannot come (OpenAI's convention)
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability (the model's distribution, before
+    temperature and top-k/top-p) and the most likely tokens' at that position."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class TokenEvent(_Event):
     type: Literal["token"] = "token"
     attempt: int = Field(default=0, ge=0)
     seq: int = Field(ge=0)
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
 
 class Usage(BaseModel):
@@ -61,6 +77,7 @@ class DoneEvent(_Event):
     timing: Timing
     model: str
     adapter: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
 
 
 class ErrorEvent(_Event):

@@ -11,6 +11,7 @@ from schemas.names import AdapterName, MessageId, ModelName, TopicName
 MAX_PROMPT_TOKEN_IDS = 1_048_576
 MAX_TOKENS_LIMIT = 1_048_576
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
 MAX_TTFT_MS_LIMIT = 24 * 3600 * 1000
 INT64_MAX = 2**63 - 1
 
@@ -69,6 +70,8 @@ class InferenceRequest(BaseModel):
     reply_topic: TopicName | None = None
     stream: bool = True
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Log probabilities: the sampled token's and the `logprobs` most likely (0-20).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> InferenceRequest:

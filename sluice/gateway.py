@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 REPLY_RETENTION_MS = 3_600_000  # a gateway's replies are read at once; an hour is plenty
 DISCONNECT_POLL_S = 0.25
+MAX_N = 8  # choices per request
 
 
 class _JSON(Response):
@@ -155,36 +156,85 @@ class Gateway:
     async def _generate(self, request: Request, kind: oai.Kind,
                         body_type: type[oai.ChatCompletionBody] | type[oai.CompletionBody]
                         ) -> Response:
+        streams: list[AsyncIterator[ReplyEvent]] = []
         try:
             key = self._api_key(request)
             try:
                 body = body_type.model_validate(orjson.loads(await request.body()))
             except (orjson.JSONDecodeError, pydantic.ValidationError) as exc:
                 raise oai.OpenAIError(400, f"invalid request body: {exc}") from None
-            body.unserved()
+            body.unserved(max_n=MAX_N)
             fields = body.fields()
             model, adapter = oai.split_model(body.model)
-            events = self.client.stream(
-                model=model, adapter=adapter, api_key=key,
-                request_id=f"oai-{uuid.uuid4().hex}",
-                session_id=oai.session_key(body.model, fields,
-                                           request.headers.get("x-session-id")),
-                reply_topic=self.reply_topic, stream=body.stream, **fields)
-            first = await self._unless_disconnected(request, self._first(events))
+            session = oai.session_key(body.model, fields, request.headers.get("x-session-id"))
+            request_id, n = f"oai-{uuid.uuid4().hex}", body.n
+
+            def open_choice(i: int) -> AsyncIterator[ReplyEvent]:
+                choice = dict(fields)
+                if n > 1 and "seed" in choice:
+                    choice["seed"] += i  # n samples, not n copies of one
+                events = self.client.stream(
+                    model=model, adapter=adapter, api_key=key,
+                    request_id=request_id if n == 1 else f"{request_id}-{i}",
+                    session_id=session, reply_topic=self.reply_topic,
+                    stream=body.stream or n > 1, **choice)
+                streams.append(events)
+                return events
+
+            first = await self._unless_disconnected(request, self._first(open_choice(0)))
+            if first is None:  # the client left; the stream's close sent the cancel
+                return Response(status_code=499)
+            firsts = [first]
+            if n > 1:
+                # The other choices go once the first has its first token: its prompt is
+                # then in the KV cache, and the same session key takes them to the same
+                # worker, so they share its prompt blocks instead of computing them again.
+                rest = await self._unless_disconnected(request, self._firsts(
+                    [open_choice(i) for i in range(1, n)]))
+                if rest is None:
+                    return Response(status_code=499)
+                firsts += rest
+            created = oai.now()
+            if not body.stream:
+                dones = await self._unless_disconnected(request, asyncio.gather(
+                    *(self._done(f, s) for f, s in zip(firsts, streams, strict=True))))
+                await _close_all(streams)
+                if dones is None:
+                    return Response(status_code=499)
+                build = oai.chat_completion if kind == "chat" else oai.text_completion
+                return _JSON(build(dones, body.model, created, request_id))
         except oai.OpenAIError as exc:
+            await _close_all(streams)
             return _error(exc)
-        if first is None:  # the client left; the stream's close sent the cancel
-            return Response(status_code=499)
-        created = oai.now()
-        if not body.stream:
-            await events.aclose()
-            assert isinstance(first, DoneEvent)
-            build = oai.chat_completion if kind == "chat" else oai.text_completion
-            return _JSON(build(first, body.model, created))
+        except BaseException:
+            await _close_all(streams)
+            raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            self._chunks(kind, first, events, body.model, created, include_usage),
+            self._chunks(kind, request_id, firsts, streams, body.model, created, include_usage),
             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    async def _firsts(self, streams: list[AsyncIterator[ReplyEvent]]) -> list[ReplyEvent]:
+        results = await asyncio.gather(*(self._first(s) for s in streams),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)  # type: ignore[arg-type]
+
+    async def _done(self, first: ReplyEvent, events: AsyncIterator[ReplyEvent]) -> DoneEvent:
+        """The choice's `done` event (a failure raised as an OpenAI error)."""
+        event: ReplyEvent = first
+        while not isinstance(event, DoneEvent):
+            self._raise_if_failed(event)
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                raise oai.OpenAIError(500, "the reply stream ended without an answer",
+                                      "server_error") from None
+            except RequestTimeoutError as exc:
+                raise oai.OpenAIError(504, str(exc), "timeout_error", "timeout") from None
+        return event
 
     async def _first(self, events: AsyncIterator[ReplyEvent]) -> ReplyEvent:
         """The first event, or the request's failure as an OpenAI error."""
@@ -230,45 +280,77 @@ class Gateway:
             if not task.done():
                 task.cancel()
 
-    async def _chunks(self, kind: oai.Kind, first: ReplyEvent,
-                      events: AsyncIterator[ReplyEvent], model_id: str, created: int,
+    async def _chunks(self, kind: oai.Kind, request_id: str, firsts: list[ReplyEvent],
+                      streams: list[AsyncIterator[ReplyEvent]], model_id: str, created: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events; closing this early (a disconnect) closes `events`, whose
-        close sends the cancel record."""
+        """Server-sent events of every choice, as their events come. Closing this early
+        (a disconnect) closes the streams, whose close sends the cancel records."""
         def sse(payload: dict[str, Any]) -> bytes:
             return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-        request_id = first.request_id
+        queue: asyncio.Queue[tuple[int, ReplyEvent | Exception | None]] = asyncio.Queue()
+
+        async def follow(index: int) -> None:
+            event: ReplyEvent | None = firsts[index]
+            try:
+                while event is not None:
+                    await queue.put((index, event))
+                    if not isinstance(event, TokenEvent):
+                        break
+                    try:
+                        event = await anext(streams[index])
+                    except StopAsyncIteration:
+                        event = None
+            except RequestTimeoutError as exc:
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        followers = [asyncio.create_task(follow(i)) for i in range(len(firsts))]
+        dones: list[DoneEvent] = []
+        offsets = [0] * len(firsts)  # of each choice's next token text (text_offset)
         try:
             if kind == "chat":
-                yield sse(oai.chunk(kind, request_id, model_id, created, text="", role=True))
-            event: ReplyEvent | None = first
-            while event is not None:
-                if isinstance(event, TokenEvent):
-                    if event.text:
+                for i in range(len(firsts)):
+                    yield sse(oai.chunk(kind, request_id, model_id, created, text="",
+                                        role=True, index=i))
+            running = len(firsts)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, TokenEvent):
+                    if item.text or item.logprobs:
                         yield sse(oai.chunk(kind, request_id, model_id, created,
-                                            text=event.text))
-                elif isinstance(event, DoneEvent):
+                                            text=item.text, logprobs=item.logprobs,
+                                            offset=offsets[index], index=index))
+                    offsets[index] += len(item.text)
+                elif isinstance(item, DoneEvent):
+                    dones.append(item)
                     yield sse(oai.chunk(kind, request_id, model_id, created,
-                                        finish=oai.finish_reason(event)))
-                    if include_usage:
-                        yield sse(oai.usage_chunk(kind, event, model_id, created))
-                    break
+                                        finish=oai.finish_reason(item), index=index))
+                elif isinstance(item, RequestTimeoutError):
+                    yield sse(oai.OpenAIError(504, str(item), "timeout_error",
+                                              "timeout").body())
                 else:
                     try:
-                        self._raise_if_failed(event)
+                        self._raise_if_failed(item)  # type: ignore[arg-type]
                     except oai.OpenAIError as exc:
                         yield sse(exc.body())
-                    break
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    event = None
-                except RequestTimeoutError as exc:
-                    yield sse(oai.OpenAIError(504, str(exc), "timeout_error", "timeout").body())
-                    break
+            if include_usage and len(dones) == len(firsts):
+                yield sse(oai.usage_chunk(kind, dones, request_id, model_id, created))
             yield b"data: [DONE]\n\n"
         finally:
+            for task in followers:
+                task.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
+            await _close_all(streams)
+
+
+async def _close_all(streams: list[AsyncIterator[ReplyEvent]]) -> None:
+    """Close every choice's stream; one that had not ended sends its cancel record."""
+    for events in streams:
+        with contextlib.suppress(Exception):
             await events.aclose()  # type: ignore[attr-defined]
 
 

@@ -18,12 +18,12 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import DoneEvent, ErrorCode
+from schemas import DoneEvent, ErrorCode, TokenLogprob, TopLogprob
 
 # OpenAI fields sluice does not serve yet, and the value that means "not asked for".
 _UNSERVED_DEFAULTS: dict[str, Any] = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "logit_bias": None, "logprobs": False, "top_logprobs": None, "echo": False,
+    "logit_bias": None, "echo": False,
     "best_of": None, "suffix": None, "audio": None, "modalities": None,
     "prediction": None, "presence_penalty": 0, "frequency_penalty": 0,
 }
@@ -86,14 +86,15 @@ class _Body(BaseModel):
     user: str | None = None
     metadata: dict[str, Any] | None = None
 
-    def unserved(self) -> None:
-        """Refuse (400) fields asked for that sluice does not serve yet."""
+    def unserved(self, max_n: int = 1) -> None:
+        """Refuse (400) fields asked for that sluice does not serve (here: `n` above
+        `max_n`)."""
         extra = self.model_extra or {}
         for name, value in extra.items():
             if name in _UNSERVED_DEFAULTS and value not in (_UNSERVED_DEFAULTS[name], None):
                 raise OpenAIError(400, f"`{name}` is not supported by sluice yet", param=name)
-        if self.n != 1:
-            raise OpenAIError(400, "`n` > 1 is not supported by sluice yet", param="n")
+        if self.n > max_n:
+            raise OpenAIError(400, f"`n` may be at most {max_n} here", param="n")
 
     def common_fields(self, max_tokens: int | None) -> dict[str, Any]:
         fields: dict[str, Any] = {}
@@ -117,9 +118,11 @@ class ChatCompletionBody(_Body):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    def unserved(self) -> None:
-        super().unserved()
+    def unserved(self, max_n: int = 1) -> None:
+        super().unserved(max_n)
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise OpenAIError(400, f"response_format {kind!r} is not supported by sluice yet",
@@ -128,14 +131,22 @@ class ChatCompletionBody(_Body):
     def fields(self) -> dict[str, Any]:
         fields = self.common_fields(self.max_completion_tokens or self.max_tokens)
         fields["messages"] = [_message(m, i) for i, m in enumerate(self.messages)]
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "`top_logprobs` needs `logprobs: true`",
+                              param="top_logprobs")
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
         return fields
 
 
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
     def fields(self) -> dict[str, Any]:
         fields = self.common_fields(self.max_tokens or 16)  # OpenAI's default for completions
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             fields["prompt_token_ids"] = prompt
@@ -196,10 +207,13 @@ def session_key(model_id: str, fields: dict[str, Any], header: str | None) -> st
     return "oai-" + digest.hexdigest()[:32]
 
 
-def usage(done: DoneEvent) -> dict[str, Any]:
-    u = done.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
+def usage(done: DoneEvent | list[DoneEvent]) -> dict[str, Any]:
+    """Of one answer, or of n choices: the prompt counted once, completions summed."""
+    dones = done if isinstance(done, list) else [done]
+    u = dones[0].usage
+    completion = sum(d.usage.completion_tokens for d in dones)
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": u.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
@@ -207,24 +221,58 @@ def finish_reason(done: DoneEvent) -> str:
     return _FINISH_REASONS.get(done.finish_reason, "stop")
 
 
-def chat_completion(done: DoneEvent, model_id: str, created: int) -> dict[str, Any]:
+def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs`: per token its text, bytes, logprob and alternatives."""
+    if logprobs is None:
+        return None
+
+    def one(t: TopLogprob) -> dict[str, Any]:
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+
+    return {"content": [{**one(t), "top_logprobs": [one(a) for a in t.top_logprobs]}
+                        for t in logprobs], "refusal": None}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob] | None,
+                        offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
+    if logprobs is None:
+        return None
+    offsets = []
+    for t in logprobs:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in logprobs],
+            "token_logprobs": [t.logprob for t in logprobs],
+            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in logprobs],
+            "text_offset": offsets}
+
+
+def chat_completion(done: DoneEvent | list[DoneEvent], model_id: str,
+                    created: int, request_id: str | None = None) -> dict[str, Any]:
+    """One answer, or n choices (their `done` events in choice order)."""
+    dones = done if isinstance(done, list) else [done]
     return {
-        "id": f"chatcmpl-{done.request_id}", "object": "chat.completion", "created": created,
-        "model": model_id, "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text,
+        "id": f"chatcmpl-{request_id or dones[0].request_id}", "object": "chat.completion",
+        "created": created, "model": model_id, "system_fingerprint": None,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": d.text,
                                              "refusal": None},
-                     "logprobs": None, "finish_reason": finish_reason(done)}],
-        "usage": usage(done),
+                     "logprobs": chat_logprobs(d.logprobs),
+                     "finish_reason": finish_reason(d)} for i, d in enumerate(dones)],
+        "usage": usage(dones),
     }
 
 
-def text_completion(done: DoneEvent, model_id: str, created: int) -> dict[str, Any]:
+def text_completion(done: DoneEvent | list[DoneEvent], model_id: str,
+                    created: int, request_id: str | None = None) -> dict[str, Any]:
+    dones = done if isinstance(done, list) else [done]
     return {
-        "id": f"cmpl-{done.request_id}", "object": "text_completion", "created": created,
-        "model": model_id, "system_fingerprint": None,
-        "choices": [{"index": 0, "text": done.text, "logprobs": None,
-                     "finish_reason": finish_reason(done)}],
-        "usage": usage(done),
+        "id": f"cmpl-{request_id or dones[0].request_id}", "object": "text_completion",
+        "created": created, "model": model_id, "system_fingerprint": None,
+        "choices": [{"index": i, "text": d.text,
+                     "logprobs": completion_logprobs(d.logprobs),
+                     "finish_reason": finish_reason(d)} for i, d in enumerate(dones)],
+        "usage": usage(dones),
     }
 
 
@@ -232,7 +280,9 @@ Kind = Literal["chat", "completion"]
 
 
 def chunk(kind: Kind, request_id: str, model_id: str, created: int, *, text: str | None = None,
-          role: bool = False, finish: str | None = None) -> dict[str, Any]:
+          role: bool = False, finish: str | None = None,
+          logprobs: list[TokenLogprob] | None = None, offset: int = 0,
+          index: int = 0) -> dict[str, Any]:
     """One streamed chunk: a piece of text (with the role, first), or the finish."""
     if kind == "chat":
         delta: dict[str, Any] = {}
@@ -240,23 +290,26 @@ def chunk(kind: Kind, request_id: str, model_id: str, created: int, *, text: str
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "delta": delta,
+                                  "logprobs": chat_logprobs(logprobs),
                                   "finish_reason": finish}
         return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
                 "created": created, "model": model_id, "system_fingerprint": None,
                 "choices": [choice]}
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
             "model": model_id, "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text or "", "logprobs": None,
+            "choices": [{"index": index, "text": text or "",
+                         "logprobs": completion_logprobs(logprobs, offset),
                          "finish_reason": finish}]}
 
 
-def usage_chunk(kind: Kind, done: DoneEvent, model_id: str, created: int) -> dict[str, Any]:
+def usage_chunk(kind: Kind, dones: list[DoneEvent], request_id: str, model_id: str,
+                created: int) -> dict[str, Any]:
     prefix, obj = (("chatcmpl", "chat.completion.chunk") if kind == "chat"
                    else ("cmpl", "text_completion"))
-    return {"id": f"{prefix}-{done.request_id}", "object": obj, "created": created,
+    return {"id": f"{prefix}-{request_id}", "object": obj, "created": created,
             "model": model_id, "system_fingerprint": None, "choices": [],
-            "usage": usage(done)}
+            "usage": usage(dones)}
 
 
 def now() -> int:

@@ -144,7 +144,7 @@ class Router:
             temperature=req.temperature if "temperature" in given else defaults.temperature,
             top_p=req.top_p if "top_p" in given else defaults.top_p,
             top_k=req.top_k if "top_k" in given else defaults.top_k,
-            seed=req.seed, stop=tuple(req.stop),
+            seed=req.seed, stop=tuple(req.stop), logprobs=req.logprobs,
         )
         self._held.hold(key, ctx)
         try:
@@ -227,7 +227,7 @@ class EventPump:
     async def _handle(self, event: bt.Event) -> None:
         ctx: InFlight = event.origin
         if isinstance(event, bt.Tokens):
-            await self._writer.tokens(ctx, list(event.token_ids))
+            await self._writer.tokens(ctx, list(event.token_ids), event.logprobs)
             return
         try:
             if isinstance(event, bt.Finished):
@@ -237,7 +237,7 @@ class EventPump:
                     num_cached_prompt_tokens=event.counts.num_cached_prompt_tokens,
                     timing=Timing(queue_ms=max(0.0, t.queue_ms), ttft_ms=max(0.0, t.ttft_ms),
                                   total_ms=max(0.0, t.total_ms)),
-                    adapter=event.adapter_key)
+                    adapter=event.adapter_key, logprobs=event.logprobs)
                 if self._on_done is not None:
                     self._on_done(ctx, event)
             elif isinstance(event, bt.Failed):

@@ -80,6 +80,39 @@ async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path)
             assert completion.object == "text_completion"
             assert completion.choices[0].text and completion.usage.completion_tokens >= 1
 
+            # Log probabilities: greedy picks the most likely token at every position.
+            scored = await api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=8, temperature=0,
+                logprobs=True, top_logprobs=2)
+            content = scored.choices[0].logprobs.content
+            assert len(content) == scored.usage.completion_tokens
+            for entry in content:
+                assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+                assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+                assert entry.top_logprobs[0].token == entry.token
+            legacy = await api.completions.create(model="tiny", prompt="Once upon",
+                                                  max_tokens=4, temperature=0, logprobs=1)
+            assert len(legacy.choices[0].logprobs.token_logprobs) == 4
+
+            # n choices: sampled with seeds seed, seed+1, ...; streamed, each by index.
+            several = await api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=8, temperature=1.0,
+                seed=7, n=3)
+            assert [c.index for c in several.choices] == [0, 1, 2]
+            assert len({c.message.content for c in several.choices}) > 1
+            assert several.usage.completion_tokens >= 3  # summed over the choices
+            texts = ["", ""]
+            stream = await api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=8, temperature=1.0,
+                seed=7, n=2, stream=True, stream_options={"include_usage": True})
+            streamed_usage = None
+            async for part in stream:
+                for choice in part.choices:
+                    texts[choice.index] += choice.delta.content or ""
+                streamed_usage = part.usage or streamed_usage
+            assert texts == [c.message.content for c in several.choices[:2]]
+            assert streamed_usage is not None
+
             models = {m.id for m in (await api.models.list()).data}
             assert models == {"tiny", "tiny:a0"}
             adapted = await api.chat.completions.create(model="tiny:a0", messages=messages,
