@@ -2,13 +2,15 @@
 
 Each input line is `{"custom_id": ..., "body": {<request fields>}}`; each output
 line `{"custom_id": ..., "response": <done event> | null, "error": <error or
-timeout event> | null}`. Output lines are appended and flushed one by one, so
-a job killed midway loses nothing it wrote. A re-run skips every custom_id
-already answered in OUT and retries those whose line is an error or a timeout
-(their old lines are removed first, so every custom_id ends with exactly one
-line) unless `keep_errors`. A request with no terminal event within the
-client's deadline gets no line: the next run retries it. Bulk requests carry a
-loose `max_ttft_ms` by default so interactive traffic keeps priority.
+timeout event> | null}` (`SluiceFormat`; `sluice.openai_batch.OpenAIFormat` reads
+and writes OpenAI Batch API lines instead, through the same job). Output lines
+are appended and flushed one by one, so a job killed midway loses nothing it
+wrote. A re-run skips every custom_id already answered in OUT and retries those
+whose line is an error or a timeout (their old lines are removed first, so every
+custom_id ends with exactly one line) unless `keep_errors`. A request with no
+terminal event within the client's deadline gets no line: the next run retries
+it. Bulk requests carry a loose `max_ttft_ms` by default so interactive traffic
+keeps priority.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -32,6 +34,11 @@ from sluice.errors import RequestTimeoutError
 BULK_MAX_TTFT_MS = 24 * 3600 * 1000
 
 T = TypeVar("T")
+Terminal = DoneEvent | ErrorEvent | TimeoutEvent
+# Sends one request's fields (request id and bulk deadline added) and returns its terminal
+# event; RequestTimeoutError when none comes in time, InvalidRequestError (a ValueError)
+# when the fields are not a valid request.
+Send = Callable[[dict[str, Any]], Awaitable[Terminal]]
 
 
 class BatchInputError(ValueError):
@@ -96,7 +103,16 @@ def drop_torn_tail(out_path: Path) -> None:
 # `sluice batch`, `replay_request_id` for `sluice replay`.
 
 
-def _outcomes(out_path: Path, key: str = "custom_id") -> dict[str, bool]:
+def has_response(line: dict[str, Any]) -> bool:
+    """A line of `sluice batch` / `sluice replay` is an answer when it has a response."""
+    return line.get("response") is not None
+
+
+IsAnswered = Callable[[dict[str, Any]], bool]
+
+
+def _outcomes(out_path: Path, key: str = "custom_id",
+              is_answered: IsAnswered = has_response) -> dict[str, bool]:
     """id -> whether its (last) line in OUT is an answer; a torn last line
     (killed mid-write) is ignored."""
     outcomes: dict[str, bool] = {}
@@ -105,20 +121,22 @@ def _outcomes(out_path: Path, key: str = "custom_id") -> dict[str, bool]:
     for raw in out_path.read_bytes().splitlines():
         try:
             line = orjson.loads(raw)
-            outcomes[str(line[key])] = line.get("response") is not None
+            outcomes[str(line[key])] = is_answered(line)
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             continue
     return outcomes
 
 
-def answered_ids(out_path: Path, key: str = "custom_id") -> set[str]:
+def answered_ids(out_path: Path, key: str = "custom_id",
+                 is_answered: IsAnswered = has_response) -> set[str]:
     """ids answered (a `done` response) in OUT."""
-    return {cid for cid, answered in _outcomes(out_path, key).items() if answered}
+    return {cid for cid, ok in _outcomes(out_path, key, is_answered).items() if ok}
 
 
-def failed_ids(out_path: Path, key: str = "custom_id") -> set[str]:
+def failed_ids(out_path: Path, key: str = "custom_id",
+               is_answered: IsAnswered = has_response) -> set[str]:
     """ids whose line in OUT is an error or a timeout."""
-    return {cid for cid, answered in _outcomes(out_path, key).items() if not answered}
+    return {cid for cid, ok in _outcomes(out_path, key, is_answered).items() if not ok}
 
 
 def drop_lines(out_path: Path, custom_ids: set[str], key: str = "custom_id") -> None:
@@ -179,16 +197,18 @@ async def run_lanes(items: Iterable[T] | AsyncIterable[T],
         raise failed.exceptions[0] from None
 
 
-def read_input(in_path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+def read_lines(in_path: Path, item_of: Callable[[dict[str, Any]], T]
+               ) -> tuple[list[tuple[str, T]], list[str]]:
+    """(custom_id, item_of(line)) of every line of IN, and the problems of the lines that
+    have no output line of their own: not JSON, no custom_id, a duplicate custom_id, or
+    `item_of` raising KeyError/TypeError."""
     items, problems, seen = [], [], set()
     for number, raw in enumerate(in_path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
         try:
             line = orjson.loads(raw)
-            custom_id, body = str(line["custom_id"]), line["body"]
-            if not isinstance(body, dict):
-                raise TypeError("body must be an object")
+            custom_id, item = str(line["custom_id"]), item_of(line)
         except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
             problems.append(f"line {number}: {exc}")
             continue
@@ -196,8 +216,72 @@ def read_input(in_path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[st
             problems.append(f"line {number}: duplicate custom_id {custom_id!r}")
             continue
         seen.add(custom_id)
-        items.append((custom_id, body))
+        items.append((custom_id, item))
     return items, problems
+
+
+def _body(line: dict[str, Any]) -> dict[str, Any]:
+    body = line["body"]
+    if not isinstance(body, dict):
+        raise TypeError("body must be an object")
+    return body
+
+
+def read_input(in_path: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    return read_lines(in_path, _body)
+
+
+@dataclass(frozen=True, slots=True)
+class LineResult:
+    """One input line's output line, and whether that line is an answer."""
+
+    line: dict[str, Any]
+    answered: bool
+    completion_tokens: int = 0
+
+
+class LineFormat(Protocol):
+    """A batch file format: how IN is read, how one line is answered, which OUT lines
+    count as answers (the rest are retried by a re-run)."""
+
+    errors_hint: str  # where a failed line's reason is, for the closing message
+
+    def read(self, in_path: Path) -> tuple[list[tuple[str, Any]], list[str]]: ...
+
+    def is_answered(self, line: dict[str, Any]) -> bool: ...
+
+    async def answer(self, custom_id: str, item: Any, request_id: str,
+                     send: Send) -> LineResult:
+        """The output line of one input item; RequestTimeoutError (from `send`) when it
+        has no answer in time: it then gets no line and the next run retries it."""
+        ...
+
+
+class SluiceFormat:
+    """`{"custom_id", "body": {<request fields>}}` in; `{"custom_id", "response": <done
+    event> | null, "error": <error or timeout event> | null}` out."""
+
+    errors_hint = "their `error`"
+
+    def read(self, in_path: Path) -> tuple[list[tuple[str, Any]], list[str]]:
+        return read_input(in_path)
+
+    def is_answered(self, line: dict[str, Any]) -> bool:
+        return has_response(line)
+
+    async def answer(self, custom_id: str, item: Any, request_id: str,
+                     send: Send) -> LineResult:
+        fields = {k: v for k, v in item.items() if k not in ("model", "v", "stream")}
+        try:
+            event: Terminal = await send(fields)
+        except ValueError as exc:  # the body did not validate as a request
+            event = ErrorEvent(request_id=request_id, code=ErrorCode.INVALID_REQUEST,
+                               message=str(exc))
+        if isinstance(event, DoneEvent):
+            return LineResult({"custom_id": custom_id, "response": event.model_dump(mode="json"),
+                               "error": None}, True, event.usage.completion_tokens)
+        return LineResult({"custom_id": custom_id, "response": None,
+                           "error": event.model_dump(mode="json")}, False)
 
 
 async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str,
@@ -205,23 +289,26 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
                     timeout_s: float | None = None, keep_errors: bool = False,
                     summary: BatchSummary | None = None,
                     on_progress: Callable[[int], None] | None = None,
-                    on_total: Callable[[int], None] | None = None) -> BatchSummary:
+                    on_total: Callable[[int], None] | None = None,
+                    line_format: LineFormat | None = None) -> BatchSummary:
     """Run every line not yet answered; `summary` (if given) is kept up to date as
     lines finish, so an interrupted caller can still say how far it got."""
-    items, problems = read_input(in_path)
+    line_format = line_format if line_format is not None else SluiceFormat()
+    items, problems = line_format.read(in_path)
     summary = summary if summary is not None else BatchSummary()
     summary.num_lines, summary.invalid_lines = len(items), problems
     await client.check_model(model)  # an unknown model fails here, not on every line
     drop_torn_tail(out_path)
-    done_ids = answered_ids(out_path)
-    earlier_errors = failed_ids(out_path) & {cid for cid, _ in items}
+    done_ids = answered_ids(out_path, is_answered=line_format.is_answered)
+    earlier_errors = (failed_ids(out_path, is_answered=line_format.is_answered)
+                      & {cid for cid, _ in items})
     if keep_errors:
         summary.num_kept_errors = len(earlier_errors)
         done_ids |= earlier_errors
     else:
         summary.num_retried = len(earlier_errors)
         drop_lines(out_path, earlier_errors)
-    todo = [(cid, body) for cid, body in items if cid not in done_ids]
+    todo = [(cid, item) for cid, item in items if cid not in done_ids]
     summary.num_skipped = len(items) - len(todo) - summary.num_kept_errors
     summary.num_todo = len(todo)
     if on_total is not None:
@@ -232,29 +319,26 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
     try:
         with out_path.open("ab") as out:
 
-            def write(custom_id: str, response: Any, error: Any) -> None:
-                append_line(out, {"custom_id": custom_id, "response": response, "error": error})
-
-            async def one(custom_id: str, body: dict[str, Any]) -> None:
-                fields = {k: v for k, v in body.items() if k not in ("model", "v", "stream")}
-                fields.setdefault("max_ttft_ms", BULK_MAX_TTFT_MS)
+            async def one(custom_id: str, item: Any) -> None:
                 digest = hashlib.sha256(custom_id.encode()).hexdigest()[:20]
-                fields["request_id"] = f"batch-{run_tag}-{digest}"
+                request_id = f"batch-{run_tag}-{digest}"
+
+                async def send(fields: dict[str, Any]) -> Terminal:
+                    fields = {"max_ttft_ms": BULK_MAX_TTFT_MS, **fields,
+                              "request_id": request_id}
+                    return await terminal_event(client, model, api_key, fields, timeout_s)
+
                 try:
-                    event = await terminal_event(client, model, api_key, fields, timeout_s)
+                    result = await line_format.answer(custom_id, item, request_id, send)
                 except RequestTimeoutError:
                     summary.num_unanswered += 1  # no line: the next run retries it
-                    event = None
-                except ValueError as exc:  # the body did not validate as a request
-                    event = ErrorEvent(request_id=fields["request_id"],
-                                       code=ErrorCode.INVALID_REQUEST, message=str(exc))
-                if isinstance(event, DoneEvent):
-                    summary.num_done += 1
-                    summary.num_completion_tokens += event.usage.completion_tokens
-                    write(custom_id, event.model_dump(mode="json"), None)
-                elif event is not None:
-                    summary.num_errors += 1
-                    write(custom_id, None, event.model_dump(mode="json"))
+                else:
+                    if result.answered:
+                        summary.num_done += 1
+                        summary.num_completion_tokens += result.completion_tokens
+                    else:
+                        summary.num_errors += 1
+                    append_line(out, result.line)
                 if on_progress is not None:
                     on_progress(1)
 

@@ -1,8 +1,9 @@
-"""`sluice batch IN.jsonl --model KEY -o OUT.jsonl`."""
+"""`sluice batch IN.jsonl --model KEY -o OUT.jsonl [--format sluice|openai]`."""
 
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -11,12 +12,21 @@ import typer
 from sluice.cli.common import fail, friendly_errors
 
 
+class FileFormat(StrEnum):
+    sluice = "sluice"
+    openai = "openai"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("batch")
     @friendly_errors
     def batch_cmd(
-        in_path: Annotated[Path, typer.Argument(help="Input JSONL: {custom_id, body} lines.")],
-        model: Annotated[str, typer.Option("--model", help="The model's key.")],
+        in_path: Annotated[Path, typer.Argument(
+            help="Input JSONL: {custom_id, body} lines (with --format openai: OpenAI Batch "
+            "API lines).")],
+        model: Annotated[str, typer.Option("--model", help="The model's key (with --format "
+                                           "openai, MODEL or MODEL:ADAPTER: the model of "
+                                           "lines whose body names none).")],
         out_path: Annotated[Path, typer.Option("-o", "--output", help="Output JSONL.")],
         api_key: Annotated[str | None, typer.Option(
             "--api-key", help="API key (default: SLUICE_API_KEY).")] = None,
@@ -29,17 +39,27 @@ def register(app: typer.Typer) -> None:
         keep_errors: Annotated[bool, typer.Option(
             "--keep-errors", help="Keep lines that ended in an error or timeout instead of "
             "retrying them.")] = False,
+        file_format: Annotated[FileFormat, typer.Option(
+            "--format", help="sluice: {custom_id, body: <request fields>} lines in, "
+            "{custom_id, response: <done event>, error} out. openai: OpenAI Batch API lines "
+            "(/v1/chat/completions, /v1/completions) in and out.")] = FileFormat.sluice,
     ) -> None:
         """Run every line of IN through the model. Resumable: a re-run skips ids answered
         in OUT and retries those that failed. Exits 1 when any line has no answer."""
         import uvloop
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-        from sluice.batch import BatchSummary, run_batch
+        from sluice.batch import BatchSummary, LineFormat, SluiceFormat, run_batch
         from sluice.client import Client
+        from sluice.openai_api import split_model
+        from sluice.openai_batch import OpenAIFormat
 
         if not in_path.is_file():
             raise fail(f"no input file at {in_path}", 2)
+        line_format: LineFormat = SluiceFormat()
+        if file_format is FileFormat.openai:
+            line_format = OpenAIFormat(model)
+            model = split_model(model)[0]  # the adapter only picks the lines' default
         key = api_key or os.environ.get("SLUICE_API_KEY")
         summary = BatchSummary()
 
@@ -54,6 +74,7 @@ def register(app: typer.Typer) -> None:
                         concurrency=concurrency, timeout_s=timeout, keep_errors=keep_errors,
                         summary=summary, on_progress=lambda n: progress.advance(task, n),
                         on_total=lambda n: progress.update(task, total=n),
+                        line_format=line_format,
                     )
             finally:
                 await client.aclose()
@@ -70,7 +91,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"skipped invalid input {problem}", err=True)
         typer.echo(summary.line())
         if summary.failed:
-            typer.echo(f"some lines have no answer (see their `error` in {out_path}); a re-run "
-                       "retries them" + ("" if not keep_errors else " without --keep-errors"),
-                       err=True)
+            typer.echo(f"some lines have no answer (see {line_format.errors_hint} in "
+                       f"{out_path}); a re-run retries them"
+                       + ("" if not keep_errors else " without --keep-errors"), err=True)
             raise typer.Exit(1)
