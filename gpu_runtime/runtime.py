@@ -27,6 +27,7 @@ from gpu_runtime.errors import (
     ModelLoadError,
     SchedulingError,
 )
+from gpu_runtime.grammar import Grammars, mask_rows
 from gpu_runtime.loader import resolve_dtype
 from gpu_runtime.lora_format import AdapterInfo
 from gpu_runtime.parallel import check_tp
@@ -91,6 +92,7 @@ class Runtime:
         self.runner = runner if self.ranks is None else TPRunner(runner, self.ranks, self.adapters)
         self.table = SequenceTable(BlockManager(num_blocks, config.block_size))
         self.tokenizer = load_tokenizer(model_path)
+        self._grammars: Grammars | None = None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     def close(self) -> None:
@@ -205,7 +207,19 @@ class Runtime:
         seq = Sequence(seq_id, prompt, len(prompt), params, adapter_key, frozenset(stops))
         if params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
         return self.table.add(seq)
+
+    @property
+    def grammars(self) -> Grammars:
+        """Output grammars (response_format) against this model's tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidSequenceError("response_format needs a model with tokenizer.json")
+            self._grammars = Grammars(self.tokenizer.to_str(), self.model_config.vocab_size,
+                                      self.model_config.eos_token_ids)
+        return self._grammars
 
     def _validate(
         self, seq_id: str, token_ids: Seq[int], params: SamplingParams, adapter_key: str | None
@@ -297,7 +311,12 @@ class Runtime:
             [s.generator for s in seqs],
             logits.device,
         )
-        sampled = sample(logits, batch, self.generator)
+        # Constrained rows sample from their grammar's tokens only; log probabilities stay
+        # those of the model's own distribution.
+        matchers = [s.matcher for s in seqs]
+        constrained = any(m is not None for m in matchers)
+        sampled = sample(mask_rows(logits, matchers) if constrained else logits, batch,
+                         self.generator)
         token_ids = sampled.tolist()
         logprobs = _logprobs(logits, sampled, [p.logprobs for p in params])
         limit = min(self.max_model_len, self.kv_capacity_tokens)
@@ -305,6 +324,11 @@ class Runtime:
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             seq.token_ids.append(token_id)
             reason, stop_reason = check_stop(seq, token_id, self.tokenizer, limit)
+            # A grammar complete (only the end may follow) or, never with the mask
+            # applied, refusing the token: nothing more can be generated within it.
+            if seq.matcher is not None and reason is None and (
+                    not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped()):
+                reason = "stop"
             outputs.append(
                 SeqOutput(
                     seq.seq_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,9 @@ class SamplingParams:
     # None: no log probabilities; k: the sampled token's and the k most likely, from the
     # model's distribution (log-softmax of the raw logits, before temperature/top-k/p).
     logprobs: int | None = None
+    # A compiled output grammar (`Runtime.grammars.compile`): tokens it forbids are
+    # never sampled, and the sequence ends when it is complete.
+    grammar: str | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +55,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the blocks cached so far
     generator: torch.Generator | None = None  # per-request RNG when `params.seed` is set
+    matcher: Any = None  # the grammar's state, when `params.grammar` is set
 
     @property
     def num_tokens(self) -> int:

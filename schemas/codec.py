@@ -90,7 +90,7 @@ def validate(model: type[M], obj: dict[str, Any]) -> M:
 def encode(message: pydantic.BaseModel) -> bytes:
     """The canonical bytes of a message: field order of the model, no extra spaces
     (fields a message leaves out unless given are left out when not given)."""
-    data = message.model_dump(mode="json")
+    data = message.model_dump(mode="json", by_alias=True)
     for name in getattr(message, "OMITTED_UNLESS_SET", ()):
         if name not in message.model_fields_set:
             del data[name]

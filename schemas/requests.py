@@ -28,6 +28,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: the answer is JSON (any object, or fitting a schema),
+    enforced token by token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -72,6 +91,7 @@ class InferenceRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     # Log probabilities: the sampled token's and the `logprobs` most likely (0-20).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> InferenceRequest:

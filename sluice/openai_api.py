@@ -124,9 +124,9 @@ class ChatCompletionBody(_Body):
     def unserved(self, max_n: int = 1) -> None:
         super().unserved(max_n)
         kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise OpenAIError(400, f"response_format {kind!r} is not supported by sluice yet",
-                              param="response_format")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise OpenAIError(400, f"response_format {kind!r} is not one of text, json_object, "
+                              "json_schema", param="response_format")
 
     def fields(self) -> dict[str, Any]:
         fields = self.common_fields(self.max_completion_tokens or self.max_tokens)
@@ -136,6 +136,8 @@ class ChatCompletionBody(_Body):
                               param="top_logprobs")
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            fields["response_format"] = self.response_format  # enforced by the worker
         return fields
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from batcher import types as bt
 from batcher.engine import Engine
@@ -75,12 +76,18 @@ def engine_key(admitted: Admitted) -> str:
     return f"{admitted.request.request_id}#{admitted.tp.partition}:{admitted.offset}"
 
 
+def _no_grammars(_response_format: dict[str, Any]) -> str | None:
+    raise ValueError("this worker does not serve response_format")
+
+
 class Router:
     def __init__(self, writer: ResultWriter, held: HeldRequests, engine_of: EngineOf,
                  tokenizer_of: Callable[[], object],
                  sampling_defaults_of: Callable[[], SamplingDefaults] = SamplingDefaults, *,
                  finished: Callable[[object, int], None] = lambda _tp, _offset: None,
-                 on_cancel: Callable[[str], None] = lambda _outcome: None):
+                 on_cancel: Callable[[str], None] = lambda _outcome: None,
+                 grammar_of: Callable[[dict[str, Any]], str | None] | None = None):
+        self._grammar_of = grammar_of or _no_grammars
         self._finished = finished  # a record that needs no answer (a cancel) is done
         self._on_cancel = on_cancel  # "cancelled" | "ignored" | "refused", for metrics
         self._writer = writer
@@ -137,6 +144,15 @@ class Router:
             num_prompt_tokens=len(admitted.token_ids), chat=admitted.chat,
             tenant=admitted.tenant,
         )
+        grammar = None
+        if req.response_format is not None and req.response_format.type != "text":
+            try:  # compiled off the loop (a new schema: milliseconds; then cached)
+                grammar = await asyncio.to_thread(
+                    self._grammar_of, req.response_format.model_dump(by_alias=True,
+                                                                     exclude_none=True))
+            except Exception as exc:
+                await self._writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
+                return
         # Sampling the request leaves out comes from the model's generation_config.json.
         given, defaults = req.model_fields_set, self._sampling_defaults_of()
         params = SamplingParams(
@@ -144,7 +160,7 @@ class Router:
             temperature=req.temperature if "temperature" in given else defaults.temperature,
             top_p=req.top_p if "top_p" in given else defaults.top_p,
             top_k=req.top_k if "top_k" in given else defaults.top_k,
-            seed=req.seed, stop=tuple(req.stop), logprobs=req.logprobs,
+            seed=req.seed, stop=tuple(req.stop), logprobs=req.logprobs, grammar=grammar,
         )
         self._held.hold(key, ctx)
         try:

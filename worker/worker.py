@@ -398,7 +398,8 @@ class Worker:
         router = Router(self.writer, self.held, self._current_engine,
                         lambda: self.runtime.tokenizer if self.runtime else None,
                         lambda: self._current_runtime().model_config.sampling_defaults,
-                        finished=self.tracker.finish, on_cancel=self.metrics.observe_cancel)
+                        finished=self.tracker.finish, on_cancel=self.metrics.observe_cancel,
+                        grammar_of=lambda rf: self._current_runtime().grammars.compile(rf))
         ingest = RequestIngest(
             ingest_options(self.settings, self.model, self.instance_id),
             tracker=self.tracker, checker=checker, prompts=prompts, route=router.route,

@@ -9,6 +9,7 @@ request is cancelled on the worker.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import openai
@@ -112,6 +113,31 @@ async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path)
                 streamed_usage = part.usage or streamed_usage
             assert texts == [c.message.content for c in several.choices[:2]]
             assert streamed_usage is not None
+
+            # Structured output: JSON that parses and fits the schema, token by token.
+            schema = {"type": "object", "additionalProperties": False,
+                      "required": ["color", "count", "ok"],
+                      "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                     "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "ok": {"type": "boolean"}}}
+            shaped = await api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=200, temperature=0.7,
+                seed=1, response_format={"type": "json_schema", "json_schema": {
+                    "name": "thing", "schema": schema, "strict": True}})
+            value = json.loads(shaped.choices[0].message.content)
+            assert set(value) == {"color", "count", "ok"} and value["color"] in schema[
+                "properties"]["color"]["enum"]
+            assert isinstance(value["count"], int) and 0 <= value["count"] <= 99
+            assert shaped.choices[0].finish_reason == "stop"
+            anything = await api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=200, temperature=0,
+                response_format={"type": "json_object"})
+            assert isinstance(json.loads(anything.choices[0].message.content), dict)
+            with pytest.raises(openai.BadRequestError, match="schema"):
+                await api.chat.completions.create(
+                    model="tiny", messages=messages, response_format={
+                        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}})
 
             models = {m.id for m in (await api.models.list()).data}
             assert models == {"tiny", "tiny:a0"}
