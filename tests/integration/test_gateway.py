@@ -23,6 +23,24 @@ from tests.integration.pipeline_helpers import drop_schema, scrape_metrics, work
 pytestmark = [pytest.mark.integration]
 
 
+def _runtime_logprobs(model_dir, prompt: list[int], num: int) -> list[float]:
+    """Greedy tokens' log probabilities from an in-process runtime's own logits."""
+    import torch
+
+    from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+
+    rt = Runtime(model_dir, RuntimeConfig(kv_cache_len=1024))
+    rt.add_sequence("ref", prompt, SamplingParams(max_tokens=num, ignore_eos=True))
+    out, plan = [], {"ref": len(prompt)}
+    while rt.sequences:
+        step = rt.execute(StepPlan(plan, return_logits=True))
+        token = step.outputs[0].token_id
+        out.append(torch.log_softmax(step.logits["ref"].float(), -1)[token].item())
+        plan = {"ref": 1}
+    rt.close()
+    return out
+
+
 async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path) -> None:
     from gpu_runtime.tiny import make_tiny_adapters
 
@@ -91,9 +109,14 @@ async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path)
                 assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
                 assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
                 assert entry.top_logprobs[0].token == entry.token
-            legacy = await api.completions.create(model="tiny", prompt="Once upon",
-                                                  max_tokens=4, temperature=0, logprobs=1)
-            assert len(legacy.choices[0].logprobs.token_logprobs) == 4
+            prompt = [5, 9, 14, 22, 31, 40]
+            legacy = await api.completions.create(model="tiny", prompt=prompt,
+                                                  max_tokens=4, temperature=0, logprobs=2)
+            served = legacy.choices[0].logprobs
+            assert served.token_logprobs == pytest.approx(
+                _runtime_logprobs(tiny_model, prompt, 4), abs=1e-4)
+            # {token text: logprob}: two byte tokens may decode alike and share a key.
+            assert all(1 <= len(alternatives) <= 2 for alternatives in served.top_logprobs)
 
             # n choices: sampled with seeds seed, seed+1, ...; streamed, each by index.
             several = await api.chat.completions.create(
