@@ -157,6 +157,7 @@ class Client:
         self._producer: AIOKafkaProducer | None = None
         self._readers: dict[str, ReplyReader] = {}
         self._data_lock: asyncio.Lock | None = None
+        self._producer_lock: asyncio.Lock | None = None
         self._topic_seen: dict[str, float] = {}  # request topic -> monotonic time
 
     # -- control plane ------------------------------------------------------------------
@@ -179,6 +180,14 @@ class Client:
     # -- data plane ---------------------------------------------------------------------
 
     async def _start_producer(self) -> AIOKafkaProducer:
+        if self._producer is not None:
+            return self._producer
+        if self._producer_lock is None:
+            self._producer_lock = asyncio.Lock()
+        async with self._producer_lock:  # many first calls at once start one producer
+            return await self._make_producer()
+
+    async def _make_producer(self) -> AIOKafkaProducer:
         if self._producer is None:
             producer = AIOKafkaProducer(
                 **self.settings.producer_options(), enable_idempotence=True,
