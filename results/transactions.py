@@ -11,11 +11,14 @@ the dead one's producer; else after TRANSACTION_TIMEOUT_MS), and its requests,
 uncommitted, are served again. Token events go through a plain producer,
 outside any transaction, so streaming stays live.
 
-Transactions are group commits: the first record opens one; `TransactionCommitter`
-closes it every COMMIT_INTERVAL_S (or when asked: a revocation, a drain), so one
-transaction covers every request that ended meanwhile and a transaction stays
-open only milliseconds — a `read_committed` reader's view of a reply partition
-(its last stable offset) is held back only that long. Any failure of a
+Transactions are group commits: the first record opens one, and
+`TransactionCommitter` closes it 2-10 ms later (LINGER_*) (or when asked: a revocation, a
+drain) with every record sent meanwhile — and under load, every request that
+ended while the previous commit was in flight — so a transaction stays open
+only milliseconds and a `read_committed` reader's view of a reply partition
+(its last stable offset) is held back only that long. Commit points that moved
+without a record (a cancel, records started) are committed every
+OFFSETS_INTERVAL_S. Any failure of a
 transaction (fenced by a newer replica, a record refused) is fatal to the
 worker: it stops (exit code 3) without committing, and whatever the failed
 transaction held is served again by the next owner.
@@ -24,7 +27,10 @@ transaction held is served again by the next owner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,7 +42,14 @@ from results.producer import TransactionsFailed
 
 log = logging.getLogger(__name__)
 
-COMMIT_INTERVAL_S = 0.02
+# After a transaction's first record, before it is committed: short when commits
+# are rare (one request's answer waits little), longer when they follow each other
+# (fewer, larger transactions: measured 0.75x -> 0.87x of at-least-once bulk
+# throughput on 2 cores, `sluice bench kafka`).
+LINGER_IDLE_S = 0.002
+LINGER_BUSY_S = 0.010
+BUSY_WITHIN_S = 0.02  # a commit of records this recent means load
+OFFSETS_INTERVAL_S = 0.1
 # An open transaction lives milliseconds; one older than this was left by a worker
 # that died (or stalled), and the broker aborts it so reply partitions move on.
 TRANSACTION_TIMEOUT_MS = 15_000
@@ -62,6 +75,9 @@ class TransactionalProducerPort:
         self.in_transaction = False
         self.sent: list[asyncio.Future[Any]] = []  # the records of the open transaction
         self.failure: BaseException | None = None
+        self.has_records = asyncio.Event()  # the open transaction holds a record
+        # Records sent while a commit held the gate: (topic, value, key, their future).
+        self.waiting: list[tuple[str, bytes, bytes | None, asyncio.Future[Any]]] = []
 
     async def start(self) -> None:
         # Registers the transactional id: the broker aborts what an earlier holder of
@@ -72,13 +88,36 @@ class TransactionalProducerPort:
         await self.producer.stop()
 
     async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[Any]:
+        if self.failure is not None:
+            raise TransactionsFailed(f"transactions failed: {self.failure}")
+        if self.gate.locked():
+            # A commit is under way: the record waits for the next transaction, and the
+            # caller (the event pump) goes on at once instead of waiting for the commit.
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self.waiting.append((topic, value, key, future))
+            return future
         async with self.gate:
-            if self.failure is not None:
-                raise TransactionsFailed(f"transactions failed: {self.failure}")
             await self.open()
             future = await self.producer.send(topic, value, key=key)
             self.sent.append(future)
+            self.has_records.set()
             return future
+
+    async def send_waiting(self) -> None:
+        """Records that came during a commit: into the next transaction (under `gate`)."""
+        waiting, self.waiting = self.waiting, []
+        if not waiting:
+            return
+        await self.open()
+        for topic, value, key, future in waiting:
+            try:
+                sent = await self.producer.send(topic, value, key=key)
+            except Exception as exc:
+                future.set_exception(exc)
+                raise
+            sent.add_done_callback(functools.partial(_settle, future))
+            self.sent.append(future)
+        self.has_records.set()
 
     async def open(self) -> None:
         if not self.in_transaction:
@@ -96,25 +135,31 @@ class TransactionalProducerPort:
 
 
 class TransactionCommitter:
-    """Closes the open transaction with the consumer offsets it finishes: every
-    COMMIT_INTERVAL_S in `run`, and whenever `commit` is called."""
+    """Closes the open transaction with the consumer offsets it finishes: a linger
+    after its first record, every OFFSETS_INTERVAL_S for moved commit points alone,
+    and whenever `commit` is called."""
 
     def __init__(self, port: TransactionalProducerPort, group_id: str,
                  pending: PendingOffsets, committed: Committed,
                  on_commit: Callable[[], None] = lambda: None,
-                 interval_s: float = COMMIT_INTERVAL_S):
+                 interval_s: float = OFFSETS_INTERVAL_S):
         self._port = port
         self._group_id = group_id
         self._pending = pending  # commit points that changed, per partition
         self._committed = committed
         self._on_commit = on_commit
         self._interval_s = interval_s
+        self._last_commit = 0.0  # monotonic
         self._closed = False
         self.num_commits = 0
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._port.has_records.wait(), self._interval_s)
+            if self._port.has_records.is_set():
+                busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
+                await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
             await self.commit()
 
     def close(self) -> None:
@@ -132,8 +177,13 @@ class TransactionCommitter:
                 raise TransactionsFailed(f"transactions failed: {port.failure}")
             try:
                 await self._commit(port)
+                await port.send_waiting()
             except Exception as exc:
                 port.failure = exc
+                for *_record, future in port.waiting:  # never sent: their senders learn it
+                    if not future.done():
+                        future.set_exception(TransactionsFailed(f"transaction failed: {exc}"))
+                port.waiting.clear()
                 log.error("a transaction failed (%s: %s); nothing it held is committed, "
                           "and it is served again by the partition's next owner",
                           type(exc).__name__, exc)
@@ -150,6 +200,7 @@ class TransactionCommitter:
         offsets = self._pending()
         if not port.in_transaction and not offsets:
             return
+        had_records = bool(port.sent)
         await port.open()
         if offsets:
             await port.producer.send_offsets_to_transaction(
@@ -158,6 +209,21 @@ class TransactionCommitter:
         await port.producer.commit_transaction()
         port.in_transaction = False
         port.sent.clear()
+        port.has_records.clear()
         self._committed(offsets)
         self.num_commits += 1
+        if had_records:
+            self._last_commit = time.monotonic()
         self._on_commit()
+
+
+def _settle(proxy: asyncio.Future[Any], sent: asyncio.Future[Any]) -> None:
+    """Pass a waiting record's real outcome to the future its sender holds."""
+    if proxy.done():
+        return
+    if sent.cancelled():
+        proxy.cancel()
+    elif sent.exception() is not None:
+        proxy.set_exception(sent.exception())  # type: ignore[arg-type]
+    else:
+        proxy.set_result(sent.result())
