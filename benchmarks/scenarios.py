@@ -1,8 +1,8 @@
 """The scenario registry and the runner behind `sluice bench SCENARIO`.
 
 Scenarios run one after another in this process, each beside its baseline.
-`kafka` and `bulk` share one served model (broker, database, worker): in
-`all` it is set up once.
+`kafka`, `bulk` and `gateway` share one served model (broker, database,
+worker): in `all` it is set up once.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LOCAL: dict[str, LocalScenario] = {
     "sessions": bench_sessions,
     "deadlines": bench_deadlines_scenario,
 }
-BROKER = ("kafka", "bulk")
+BROKER = ("kafka", "bulk", "gateway")
 SCENARIOS = (*LOCAL, *BROKER)
 TINY_SHAPE = ("sluice tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, inter 128, "
               "byte-level BPE vocab), float32, random weights")
@@ -39,6 +39,7 @@ TINY_SHAPE = ("sluice tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, inte
 async def _broker_scenarios(names: list[str], device: str, quick: bool,
                             on_done: Callable[[str, ScenarioResult], None]
                             ) -> dict[str, ScenarioResult]:
+    from benchmarks.gateway import bench_gateway
     from benchmarks.kafka import bench_bulk, bench_kafka
     from benchmarks.served import served_model
     from gpu_runtime.tiny import make_tiny_model
@@ -54,6 +55,8 @@ async def _broker_scenarios(names: list[str], device: str, quick: bool,
                 try:
                     if name == "kafka":
                         results, samples = await bench_kafka(served, device, quick)
+                    elif name == "gateway":
+                        results, samples = await bench_gateway(served, device, quick)
                     else:
                         results = await bench_bulk(served, device, quick, workdir)
                 except Exception as exc:

@@ -9,7 +9,8 @@ import typer
 
 from sluice.cli.common import fail, friendly_errors
 
-CHOICES = ("runtime", "adapters", "sessions", "deadlines", "kafka", "bulk", "all", "gpu")
+CHOICES = ("runtime", "adapters", "sessions", "deadlines", "kafka", "bulk", "gateway", "all",
+           "gpu")
 
 
 def register(app: typer.Typer) -> None:

@@ -56,8 +56,17 @@ EXPECTED: dict[str, list[str]] = {
         "baseline_in_process_engine.completion_tokens_per_s",
         "ratios.tokens_s_kafka_over_in_process",
     ],
+    "gateway": [
+        "gateway_ttft.p50", "gateway_ttft.p99", "gateway_end_to_end.p50",
+        "gateway_to_response_headers.p50", "baseline_sdk_ttft.p50",
+        "baseline_sdk_end_to_end.p99", "added_by_gateway.ttft_p50",
+        "added_by_gateway.ttft_p99", "added_by_gateway.ttft_paired_difference.p50",
+        "non_streaming.gateway.p50", "non_streaming.baseline_sdk_complete.p50",
+        "non_streaming.added_p50", "checks.answers_differing_from_sdk",
+        "limits.http_floor_p50", "ratios.ttft_p50_gateway_over_sdk",
+    ],
 }
-GOALS = {"runtime", "sessions", "deadlines", "kafka"}
+GOALS = {"runtime", "sessions", "deadlines", "kafka", "gateway"}
 
 
 def _app() -> typer.Typer:
