@@ -54,7 +54,6 @@ _WORDS = (
     "share", "one", "base", "mixes", "them", "in", "step",
 )
 GOAL_ADDED_TTFT_P50_MS = 5.0
-TOPIC_LIST_REFRESH_S = 1.0  # a worker lists the cluster's topics at most this often
 
 
 def _prompts(count: int, seed: int) -> list[str]:
@@ -95,12 +94,6 @@ async def running_gateway(served: Served) -> AsyncIterator[str]:
             if task.done():
                 task.result()  # raises the gateway's own error
             raise RuntimeError("the gateway did not start within 60 s")
-        # A worker refuses a reply topic missing from its list of the cluster's topics,
-        # which it refreshes at most once a second (ingest/checks.py): a request naming
-        # the gateway's brand-new reply topic within a second of the worker's last
-        # refresh is dead-lettered ("does not exist") and never answered. Waiting out
-        # that second makes the worker's next miss refresh the list.
-        await asyncio.sleep(TOPIC_LIST_REFRESH_S + 0.2)
         yield f"http://127.0.0.1:{port}"
     finally:
         task.cancel()

@@ -37,6 +37,7 @@ from schemas.names import ID_PATTERN, is_valid_topic
 log = logging.getLogger(__name__)
 
 KnownTopics = Callable[[], Awaitable[set[str]]]
+TOPICS_REFRESH_S = 0.1
 
 
 class RequestChecks:
@@ -50,6 +51,7 @@ class RequestChecks:
         self.max_ttft_ms = 60_000  # the model's placement
         self._known_topics: set[str] = set()
         self._topics_checked = 0.0
+        self._refreshing = asyncio.Lock()
 
     async def verdict(self, record: ConsumerRecord, attempt: int) -> Verdict:
         tp = TopicPartition(record.topic, record.partition)
@@ -154,6 +156,21 @@ class RequestChecks:
         return DeadLettered(tp, record.offset, record.key, record.value or b"",
                             f"undecodable request: {exc}")
 
+    async def _refresh_topics(self) -> None:
+        """Ask the cluster for its topics after a miss: never refuse a topic on a list
+        older than the record (a new gateway's reply topic, created a moment ago), and
+        ask at most every TOPICS_REFRESH_S (misses arriving together share one ask)."""
+        missed_at = time.monotonic()
+        async with self._refreshing:
+            if self._topics_checked >= missed_at:
+                return  # a list asked for after this miss arrived while it waited
+            wait = TOPICS_REFRESH_S - (time.monotonic() - self._topics_checked)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            asked = time.monotonic()
+            self._known_topics = await self._known_topics_of_cluster()
+            self._topics_checked = asked  # the list is at least as new as the asking
+
     async def _reply_topic_problem(self, topic: str) -> str | None:
         options = self.options
         if not is_valid_topic(topic):
@@ -163,9 +180,8 @@ class RequestChecks:
         pattern = options.reply_topic_pattern
         if pattern is not None and re.fullmatch(pattern, topic) is None:
             return f"reply_topic {topic!r} does not match SLUICE_REPLY_TOPIC_PATTERN"
-        if topic not in self._known_topics and time.monotonic() - self._topics_checked > 1.0:
-            self._known_topics = await self._known_topics_of_cluster()
-            self._topics_checked = time.monotonic()
+        if topic not in self._known_topics:
+            await self._refresh_topics()
         if topic not in self._known_topics:
             return f"reply_topic {topic!r} does not exist" + (
                 " (or this worker may not DESCRIBE it)" if options.secured else "")
