@@ -361,7 +361,8 @@ async def serve(settings: Settings, host: str, port: int, instance_id: str | Non
 
     gateway = Gateway(settings, instance_id)
     config = uvicorn.Config(gateway.app, host=host, port=port, loop="none", http="httptools",
-                            log_level="warning", lifespan="on", access_log=False)
+                            log_level="warning", lifespan="on", access_log=False,
+                            timeout_graceful_shutdown=5)  # streams still open end then
     server = uvicorn.Server(config)
     if ready is None:
         await server.serve()
