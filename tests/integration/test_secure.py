@@ -110,8 +110,9 @@ def _bindings(command: list[str], variables: dict[str, str]) -> list[Any]:
         elif arg == "--operation":
             operations.append(getattr(AclOperation, re.sub(r"(?<!^)([A-Z])", r"_\1",
                                                            next(args)).upper()))
-        elif arg in ("--topic", "--group"):
-            kind = ResourceType.TOPIC if arg == "--topic" else ResourceType.GROUP
+        elif arg in ("--topic", "--group", "--transactional-id"):
+            kind = {"--topic": ResourceType.TOPIC, "--group": ResourceType.GROUP,
+                    "--transactional-id": ResourceType.TRANSACTIONAL_ID}[arg]
             resources.append((kind, value(next(args))))
         elif arg == "--cluster":
             resources.append((ResourceType.BROKER, "kafka-cluster"))
@@ -256,6 +257,19 @@ async def test_the_helm_readme_acls_hold(secure_endpoints, unique_name, tiny_mod
             assert denied == ["TOPIC_AUTHORIZATION_FAILED"] * 3, denied
             assert await asyncio.to_thread(
                 _read_denied, acme, f"tenant-{tenants[0]}.replies") == "READ"
+
+            # Exactly-once delivery needs the block's transactional-id ACL: the worker
+            # reloads with a transactional producer and keeps serving.
+            with sluice.Client(control) as ctl:
+                ctl.models.update_compute_config(model="tiny",
+                                                 compute_config={"delivery": "exactly_once"})
+            await asyncio.to_thread(worker.wait_for_log, "delivery: exactly once", 120)
+            t = tenants[0]
+            done = await asyncio.wait_for(clients[t].complete(
+                model="tiny", api_key=keys[t], prompt_token_ids=[8, 9], max_tokens=3,
+                reply_topic=f"tenant-{t}.replies"), 120)
+            assert done.usage.completion_tokens >= 1, worker.log()
+            assert worker.proc.poll() is None, worker.log()
     finally:
         for client in clients.values():
             await client.aclose()
