@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +42,7 @@ from typing import Any
 
 from benchmarks.harness import figure, goal, latency_figures, percentile, ratio
 from benchmarks.served import MODEL, Served
+from infra.common import free_port
 from schemas import DoneEvent, TokenEvent
 
 _WORDS = (
@@ -63,25 +63,12 @@ def _prompts(count: int, seed: int) -> list[str]:
             for _ in range(count)]
 
 
-def _free_port() -> int:
-    """A free loopback port below Linux's ephemeral range (as tests.conftest.free_port)."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32000")
-
-
 @contextlib.asynccontextmanager
 async def running_gateway(served: Served) -> AsyncIterator[str]:
     """`sluice gateway` in this event loop on a free loopback port; yields its base URL."""
     from sluice.gateway import serve
 
-    port = _free_port()
+    port = free_port()
     ready = asyncio.Event()
     task = asyncio.create_task(serve(served.settings, "127.0.0.1", port,
                                      f"bench-{uuid.uuid4().hex[:8]}", ready=ready))

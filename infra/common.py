@@ -102,6 +102,22 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+def free_port() -> int:
+    """A free loopback port below Linux's ephemeral range (32768 and up): a port in that
+    range can be taken by any outgoing connection between this check and its use."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32000")
+
+
 def port_answers(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

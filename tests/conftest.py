@@ -103,20 +103,10 @@ def endpoints() -> Iterator[Endpoints]:
 
 
 def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768 and up): a port in that range
-    can be taken by any outgoing connection between this check and its use."""
-    import random
-    import socket
+    """A free loopback port below Linux's ephemeral range (`infra.common.free_port`)."""
+    from infra.common import free_port as free
 
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32000")
+    return free()
 
 
 @pytest.fixture(scope="session")

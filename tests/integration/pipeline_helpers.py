@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -87,6 +88,24 @@ def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str =
     finally:
         worker.kill(signal.SIGTERM)
         worker.kill(signal.SIGKILL)
+
+
+def tiny_with_adapter(settings: Settings, model_dir: Path, adapters_dir: Path
+                      ) -> tuple[Any, str]:
+    """Register the tiny model with one adapter `a0`; (client, a key of tenant acme
+    granted both)."""
+    import sluice
+    from gpu_runtime.tiny import make_tiny_adapters
+
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir),
+                           compute_config={"kv_cache_len": 4096})
+    adapter_dir = make_tiny_adapters(model_dir, adapters_dir, 1)[0]
+    client.adapters.register(model="tiny", name="a0", path=str(adapter_dir))
+    key = client.keys.create(tenant="acme")
+    client.keys.grant(key, model="tiny")
+    client.keys.grant(key, model="tiny", adapter="a0")
+    return client, key
 
 
 def scrape_metrics(worker: WorkerProcess) -> str:

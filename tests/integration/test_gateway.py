@@ -15,10 +15,14 @@ import re
 import openai
 import pytest
 
-import sluice
 from sluice.gateway import serve
 from tests.conftest import free_port
-from tests.integration.pipeline_helpers import drop_schema, scrape_metrics, worker_process
+from tests.integration.pipeline_helpers import (
+    drop_schema,
+    scrape_metrics,
+    tiny_with_adapter,
+    worker_process,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -42,16 +46,7 @@ def _runtime_logprobs(model_dir, prompt: list[int], num: int) -> list[float]:
 
 
 async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path) -> None:
-    from gpu_runtime.tiny import make_tiny_adapters
-
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(tiny_model),
-                           compute_config={"kv_cache_len": 4096})
-    adapter_dir = make_tiny_adapters(tiny_model, tmp_path / "adapters", 1)[0]
-    client.adapters.register(model="tiny", name="a0", path=str(adapter_dir))
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
-    client.keys.grant(key, model="tiny", adapter="a0")
+    client, key = tiny_with_adapter(settings, tiny_model, tmp_path / "adapters")
     other = client.keys.create(tenant="globex")  # granted nothing
     port = free_port()
     ready = asyncio.Event()

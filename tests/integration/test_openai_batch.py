@@ -21,8 +21,12 @@ import openai.types.shared
 import orjson
 import pytest
 
-import sluice
-from tests.integration.pipeline_helpers import drop_schema, settings_env, worker_process
+from tests.integration.pipeline_helpers import (
+    drop_schema,
+    settings_env,
+    tiny_with_adapter,
+    worker_process,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -65,16 +69,7 @@ def _outputs(out_path: Path) -> dict[str, dict[str, Any]]:
 
 
 def test_openai_batch_file_through_the_cli(settings, tiny_model, tmp_path: Path) -> None:
-    from gpu_runtime.tiny import make_tiny_adapters
-
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(tiny_model),
-                           compute_config={"kv_cache_len": 4096})
-    adapter_dir = make_tiny_adapters(tiny_model, tmp_path / "adapters", 1)[0]
-    client.adapters.register(model="tiny", name="a0", path=str(adapter_dir))
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
-    client.keys.grant(key, model="tiny", adapter="a0")
+    client, key = tiny_with_adapter(settings, tiny_model, tmp_path / "adapters")
     client.close()
     in_path, out_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     in_path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in LINES))
