@@ -3,6 +3,8 @@
 # Java 17+ (the Kafka broker), Maven (fetches the Kafka jars), PostgreSQL's
 # server, and Python's venv module. Installs missing ones with apt-get when
 # run as root on Debian/Ubuntu; otherwise says what to install.
+# Then fetches the AsyncAPI 3.0.0 JSON Schema (npm's @asyncapi/specs, pinned) into
+# the cache, for the test that validates `sluice schemas export --asyncapi`.
 set -euo pipefail
 
 missing=()
@@ -11,20 +13,31 @@ command -v mvn >/dev/null 2>&1 || missing+=(maven)
 compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || command -v postgres >/dev/null 2>&1 \
   || missing+=(postgresql)
 python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
-fi
-if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-  echo "installing system packages: ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  # Debian's package starts its own cluster; sluice runs its own, so stop that one.
-  if [ -x /usr/sbin/service ] && printf '%s\n' "${missing[@]}" | grep -qx postgresql; then
-    service postgresql stop >/dev/null 2>&1 || true
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    # Debian's package starts its own cluster; sluice runs its own, so stop that one.
+    if [ -x /usr/sbin/service ] && printf '%s\n' "${missing[@]}" | grep -qx postgresql; then
+      service postgresql stop >/dev/null 2>&1 || true
+    fi
+  else
+    echo "missing system packages: ${missing[*]} (install them, e.g. apt-get install ${missing[*]})" >&2
+    exit 1
   fi
-else
-  echo "missing system packages: ${missing[*]} (install them, e.g. apt-get install ${missing[*]})" >&2
-  exit 1
+fi
+
+# Kept in the cache (never in the repository); no network once this version is there.
+ASYNCAPI_SPECS_VERSION=6.11.1
+specs_dir="${SLUICE_ASYNCAPI_SPECS_DIR:-$HOME/.cache/sluice/asyncapi-specs}"
+if ! grep -qs "\"version\": \"$ASYNCAPI_SPECS_VERSION\"" \
+    "$specs_dir/node_modules/@asyncapi/specs/package.json"; then
+  echo "fetching @asyncapi/specs@$ASYNCAPI_SPECS_VERSION into $specs_dir"
+  mkdir -p "$specs_dir"
+  npm install --prefix "$specs_dir" --no-audit --no-fund --silent \
+    "@asyncapi/specs@$ASYNCAPI_SPECS_VERSION"
 fi
