@@ -40,6 +40,7 @@ from batcher.errors import EngineClosedError
 from batcher.runtime_port import AdapterSlots, RuntimePort
 from batcher.scheduler import BatchPlan, Scheduler
 from batcher.types import Event, Request
+from common.timeouts import within
 from gpu_runtime.sequence import StepOutput
 
 _log = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class Engine:
         if deadline is not None:
             timeout = min(timeout, max(deadline - self._clock(), 0.0))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+            await within(timeout, self._wakeup.wait())
 
     def _emit(self, events: list[Event]) -> None:
         for event in events:

@@ -70,6 +70,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE api_keys ADD COLUMN reply_topic_prefix text;
     """,
+    # 4: what a worker is doing (warming, serving, ...) and which process it is.
+    """
+    ALTER TABLE workers ADD COLUMN status text NOT NULL DEFAULT 'unknown';
+    ALTER TABLE workers ADD COLUMN process text NOT NULL DEFAULT '';
+    """,
 ]
 
 _LOCK_ID = 0x51CE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import orjson
 
@@ -26,11 +27,21 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry).decode()
 
 
-def setup_logging(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def setup_logging(level: str = "INFO", log_file: Path | None = None) -> None:
+    """JSON lines to stderr; with `log_file`, to that file instead, and only sluice's own
+    errors to stderr (the Kafka client's transient retries stay in the file)."""
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    handlers = [handler]
+    if log_file is not None:
+        handler = logging.FileHandler(log_file)
+        errors = logging.StreamHandler(sys.stderr)
+        errors.setLevel(logging.ERROR)
+        errors.addFilter(lambda record: not record.name.startswith("aiokafka"))
+        errors.setFormatter(JsonFormatter())
+        handlers = [handler, errors]
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(level.upper())
     # aiokafka is chatty at INFO about routine group membership.
     logging.getLogger("aiokafka").setLevel(logging.WARNING)

@@ -29,6 +29,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError, UnsupportedCodecError
 from aiokafka.structs import ConsumerRecord
 
+from common.timeouts import within
+
 log = logging.getLogger(__name__)
 
 # How long a single-record read waits for a partition's data to be fetched.
@@ -160,7 +162,7 @@ class SafeFetcher:
         return CAREFUL_WAIT_MS
 
     async def _skip(self, tp: TopicPartition, exc: Exception) -> Unreadable:
-        offset = await asyncio.wait_for(self.consumer.position(tp), 30)
+        offset = await within(30, self.consumer.position(tp))
         self.consumer.seek(tp, offset + 1)
         self._next[tp] = offset + 1
         self._careful = False

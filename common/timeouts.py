@@ -1,4 +1,5 @@
-"""The two control-plane timeouts of CONTRACT.md, as context managers with clear errors."""
+"""The two control-plane timeouts of CONTRACT.md, as context managers with clear errors;
+and `within`, the bounded wait every loop here uses instead of `asyncio.wait_for`."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ async def operation(what: str, awaitable: Awaitable[T], timeout_s: float) -> T:
             f"control-plane operation {what!r} did not finish within "
             f"SLUICE_SERVER__TIMEOUT_SECONDS={timeout_s:g} s"
         ) from exc
+
+
+async def within(timeout_s: float, awaitable: Awaitable[T]) -> T:
+    """`await awaitable`, TimeoutError after `timeout_s`. Python 3.11's `asyncio.wait_for`
+    loses a cancellation of its caller when the awaited work completes at that moment (the
+    task then runs on, and whoever awaits its cancellation waits forever); a timeout
+    scope never does."""
+    async with asyncio.timeout(timeout_s):
+        return await awaitable

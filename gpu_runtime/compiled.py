@@ -12,8 +12,11 @@ Weights and the KV cache have static shapes; the batch and key-length dims are
 marked dynamic at each call (`_mark_dynamic`). Dynamo specialises size 1, so
 batch 1 gets a graph of its own: two graphs in all (decode block tables are
 padded to two columns or more, so a one-block table adds none).
-`Runtime.warm_up` compiles both on a scratch KV block before the first
-request. Inductor's caches live on disk (`TORCHINDUCTOR_CACHE_DIR`, default
+`Runtime.warm_up` compiles both on a scratch KV block; until it has, every step
+is eager (`ready`), so compiling never happens on a live step's critical path
+and can run in another thread while the step thread serves (a worker does so:
+it answers its first requests eagerly and swaps the graphs in when they are
+ready). Inductor's caches live on disk (`TORCHINDUCTOR_CACHE_DIR`, default
 `~/.cache/sluice/inductor`), so a restart mostly re-traces and skips code
 generation.
 
@@ -79,33 +82,60 @@ class CompiledStep:
     def __init__(self, forward: Forward, backend: str | Callable = "inductor") -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir()))
         self.eager = forward
-        # Static shapes but for the dims `_mark_dynamic` names: weights and the KV cache
-        # keep theirs, so inductor specialises on them. No guards on the modules: their
-        # weights and structure are fixed once loaded (layer swaps happen before), and
-        # checking every parameter at every step cost ~1.4 ms of a 45 ms batch-1 step.
-        self.compiled = torch.compile(
-            _own_code(forward), dynamic=False, fullgraph=True, backend=backend,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-        )
+        self._backend = backend
+        self._compiled: Forward | None = None  # made at the first compiled call (`warm`)
         self.failure: str | None = None  # why the runtime fell back to eager steps
+        self.ready = False  # both graphs compiled (`warm`): live steps may take them
         self.compiled_steps = 0
         self.warmup_s: float | None = None
 
+    @property
+    def compiled(self) -> Forward:
+        """`forward` through torch.compile. Made on first use, so that importing dynamo
+        and inductor (1.4 s) happens in the warm-up's thread, not while a worker loads."""
+        if self._compiled is None:
+            # Static shapes but for the dims `_mark_dynamic` names: weights and the KV cache
+            # keep theirs, so inductor specialises on them. No guards on the modules: their
+            # weights and structure are fixed once loaded (layer swaps happen before), and
+            # checking every parameter at every step cost ~1.4 ms of a 45 ms batch-1 step.
+            self._compiled = torch.compile(
+                _own_code(self.eager), dynamic=False, fullgraph=True, backend=self._backend,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            )
+        return self._compiled
+
     def takes(self, ctx: StepContext) -> bool:
         return (
-            self.failure is None and not ctx.prefills and ctx.lora is None and ctx.num_decodes > 0
+            self.ready and self.failure is None and not ctx.prefills and ctx.lora is None
+            and ctx.num_decodes > 0
         )
+
+    def warm(self, steps: list[tuple[torch.Tensor, StepContext]]) -> bool:
+        """Compile (and run) the graphs of `steps`, all-decode steps on scratch blocks;
+        then live steps take them. False, with `failure` said, if compiling failed."""
+        for input_ids, ctx in steps:
+            if self._compiled_or_failure(input_ids, ctx) is None:
+                return False
+        self.ready = True
+        return True
 
     def __call__(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if not self.takes(ctx):
             return self.eager(input_ids, ctx)
+        hidden = self._compiled_or_failure(input_ids, ctx)
+        return hidden if hidden is not None else self.eager(input_ids, ctx)
+
+    def _compiled_or_failure(self, input_ids: torch.Tensor,
+                             ctx: StepContext) -> torch.Tensor | None:
         try:
             _mark_dynamic(input_ids, ctx)
+            ctx.in_graph = True
             hidden = self.compiled(input_ids, ctx)
         except Exception as exc:  # the compiler's failure is not the request's
             self.failure = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
             log.error("the compiled decode step failed; this runtime steps eagerly from "
                       "now on", exc_info=exc)
-            return self.eager(input_ids, ctx)
+            ctx.in_graph = False  # the step is recomputed eagerly
+            return None
         self.compiled_steps += 1
         return hidden

@@ -71,6 +71,10 @@ class StepContext:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     use_triton: bool = False
     lora: LoraBatch | None = None  # None: no row uses an adapter, LoRA is skipped
+    # Set by `CompiledStep` for the steps it traces: attention is then the graph's custom
+    # ops. (Not `torch.compiler.is_compiling()`: that flag is process-wide, so an eager
+    # step would see it while another thread traces.)
+    in_graph: bool = False
     # Filled by the model once per step from `positions`.
     cos: torch.Tensor | None = None  # [T, 1, head_dim // 2]
     sin: torch.Tensor | None = None  # [T, 1, head_dim // 2]

@@ -42,7 +42,7 @@ class Attention(nn.Module):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         kv = ctx.kv_caches[self.layer_idx]
-        if torch.compiler.is_compiling():  # an all-decode step (compiled.py)
+        if ctx.in_graph:  # an all-decode step of the compiled graph (compiled.py)
             out = compiled_decode_attention(q, k, v, kv, ctx, self.scale, self.window)
         else:
             write_kv(kv, k, v, ctx.slot_mapping)
@@ -78,8 +78,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # Built on `meta` and loaded with `assign=True`: an empty weight skips the random
+        # init, whose meta-device path imports torch's Python references (1.6 s at start).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size), _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -216,6 +216,8 @@ def _serve(ranks: RankGroup, runner: ModelRunner, adapters: AdapterManager) -> N
             _, seqs, rows_to_sample, slots = command
             adapters.mirror(slots)
             runner.forward(seqs, rows_to_sample)
+        elif kind == "warm_up":
+            runner.warm_up()
         elif kind == "register":
             adapters.register(command[1], command[2])
         elif kind == "unregister":
@@ -361,8 +363,9 @@ class TPRunner:
     def compiled(self) -> CompiledStep | None:
         return self.local.compiled
 
-    def warm_up_steps(self) -> list[list[ScheduledSeq]]:
-        return self.local.warm_up_steps()
+    def warm_up(self) -> bool:
+        """Every rank compiles its shard's graphs (their all-reduces run in step)."""
+        return self.ranks.run(("warm_up",), self.local.warm_up)
 
     def forward(self, seqs: list[ScheduledSeq], rows_to_sample: list[int]) -> torch.Tensor:
         """As `ModelRunner.forward`; every rank computes the same rows of its shard."""

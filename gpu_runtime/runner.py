@@ -8,8 +8,10 @@ rows to sample.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,16 @@ class ScheduledSeq:
     num_computed: int  # tokens already in the cache before this step
     block_table: list[int]
     lora_slot: int = -1  # adapter slot of every row of this sequence; -1 = base model
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU its pages come zeroed from the kernel as they are first
+    touched (calloc'd memory), instead of being written once up front: a KV cache of a
+    few GB costs nothing at start-up (torch.zeros spent 2.4 s of a SmolLM2 load on it)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _triton_available() -> bool:
@@ -55,10 +67,7 @@ class ModelRunner:
         # `warm_up` writes into, so compiling never touches a sequence's cache.
         self.scratch_block = num_blocks
         shape = (2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(config.num_layers)
-        ]
+        self.kv_caches = [zeroed(shape, self.dtype, self.device) for _ in range(config.num_layers)]
         self.compiled = CompiledStep(model.forward) if compile else None
         self.step = self.compiled or model.forward
 
@@ -185,9 +194,17 @@ class ModelRunner:
         index = torch.tensor([last_rows[i] for i in rows_to_sample], device=self.device)
         return self.model.compute_logits(hidden[index], ctx)
 
-    def warm_up_steps(self) -> list[list[ScheduledSeq]]:
-        """All-decode steps on the scratch block that compile both decode graphs
-        (batch 1, and more: dynamo specialises size 1)."""
+    @torch.inference_mode()
+    def warm_up(self) -> bool:
+        """Compile both decode graphs (batch 1, and more: dynamo specialises size 1) on
+        all-decode steps over the scratch block; then live steps take them. False when
+        there is nothing to compile or compiling failed (`compiled.failure`)."""
+        if self.compiled is None:
+            return False
         # Three blocks for two rows: equal sizes would be tied in the graph (duck sizing).
         seq = ScheduledSeq([0], 0, [self.scratch_block] * 3)
-        return [[seq], [seq, seq]]
+        steps = []
+        for seqs in ([seq], [seq, seq]):
+            input_ids, ctx, _ = self.build_context(seqs)
+            steps.append((input_ids, ctx))
+        return self.compiled.warm(steps)

@@ -12,6 +12,7 @@ lives here only, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -113,15 +114,23 @@ class Runtime:
 
     def warm_up(self) -> float | None:
         """Compile the decode step now (`RuntimeConfig.compile`); returns the seconds it
-        took, None when the runtime steps eagerly. Touches no sequence's cache."""
+        took, None when the runtime steps eagerly (no compile, or it failed:
+        `compile_failure`). Touches no sequence's cache. At tp=1 it may run in another
+        thread while `execute` serves eagerly: steps take the graphs once it returns."""
         compiled = self.runner.compiled
         if compiled is None:
             return None
         started = time.perf_counter()
-        for seqs in self.runner.warm_up_steps():
-            self.runner.forward(seqs, [])
+        if not self.runner.warm_up():
+            return None
         compiled.warmup_s = time.perf_counter() - started
         return compiled.warmup_s
+
+    @property
+    def compiled_ready(self) -> bool:
+        """Whether live decode steps take the compiled graphs now."""
+        compiled = self.runner.compiled
+        return compiled is not None and compiled.ready and compiled.failure is None
 
     @property
     def compile_failure(self) -> str | None:
@@ -202,6 +211,9 @@ class Runtime:
         """
         params = params or SamplingParams()
         prompt = self._validate(seq_id, prompt_token_ids, params, adapter_key)
+        room = self._context_len - len(prompt)
+        if params.max_tokens > room:  # only a default max_tokens gets here (`_validate`)
+            params = dataclasses.replace(params, max_tokens=room)
         stops = set() if params.ignore_eos else set(self.model_config.eos_token_ids)
         stops.update(params.stop_token_ids or ())
         seq = Sequence(seq_id, prompt, len(prompt), params, adapter_key, frozenset(stops))
@@ -233,14 +245,19 @@ class Runtime:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidSequenceError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        limit = self._context_len
+        why = f"max_model_len={self.max_model_len}, kv_cache_len={self.kv_capacity_tokens}"
         if len(prompt) >= limit:
             raise ContextTooLongError(
-                f"prompt has {len(prompt)} tokens; the limit is {limit - 1} "
-                f"(max_model_len={self.max_model_len}, kv_cache_len={self.kv_capacity_tokens})"
-            )
+                f"prompt has {len(prompt)} tokens; the limit is {limit - 1} ({why})")
         if params.max_tokens < 1:
             raise InvalidSequenceError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.max_tokens_asked and len(prompt) + params.max_tokens > limit:
+            raise ContextTooLongError(
+                f"the prompt's {len(prompt)} tokens and max_tokens={params.max_tokens} make "
+                f"{len(prompt) + params.max_tokens} tokens, beyond this model's context of "
+                f"{limit} tokens ({why}): lower max_tokens to {limit - len(prompt)} or less, "
+                "or shorten the prompt")
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
             raise InvalidSequenceError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         if adapter_key is not None and adapter_key not in self.adapters.adapters:
@@ -250,6 +267,12 @@ class Runtime:
         if any(not 0 <= t < vocab for t in params.stop_token_ids or ()):
             raise InvalidSequenceError("stop_token_ids outside the vocabulary")
         return prompt
+
+    @property
+    def _context_len(self) -> int:
+        """Tokens one sequence may hold, prompt and output: the model's context, and at
+        most the whole KV cache."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
 
     def remove_sequence(self, seq_id: str) -> bool:
         """Drop a sequence (cancelled, timed out); its full blocks stay cached."""
@@ -319,7 +342,7 @@ class Runtime:
                          self.generator)
         token_ids = sampled.tolist()
         logprobs = _logprobs(logits, sampled, [p.logprobs for p in params])
-        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        limit = self._context_len
         outputs = []
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
             seq.token_ids.append(token_id)

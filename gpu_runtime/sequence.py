@@ -19,6 +19,10 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    # False when max_tokens is only a default nobody asked for: then a prompt near the
+    # context's end gets what room is left; an asked-for max_tokens that does not fit
+    # is refused (`ContextTooLongError`), never cut short in silence.
+    max_tokens_asked: bool = True
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

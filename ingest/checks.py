@@ -22,7 +22,15 @@ from aiokafka.structs import ConsumerRecord
 
 from ingest.permissions import Decision, PermissionChecker, PermissionsUnavailable
 from ingest.prompting import PromptBuilder, PromptError
-from ingest.verdicts import Admitted, Cancel, DeadLettered, IngestOptions, Refused, Verdict
+from ingest.verdicts import (
+    Admitted,
+    Cancel,
+    DeadLettered,
+    IngestOptions,
+    Refused,
+    Verdict,
+    key_digest,
+)
 from schemas import (
     CancelRequest,
     ErrorCode,
@@ -55,7 +63,14 @@ class RequestChecks:
 
     async def verdict(self, record: ConsumerRecord, attempt: int) -> Verdict:
         tp = TopicPartition(record.topic, record.partition)
-        value = record.value if record.value is not None else b""
+        if not record.value:
+            what = ("a tombstone (a record with no value)" if record.value is None
+                    else "a record with an empty value")
+            return DeadLettered(tp, record.offset, record.key, b"",
+                                f"{what} is not a request: a request is a JSON "
+                                "InferenceRequest (`sluice schemas export`), and requests "
+                                "are never deleted by key")
+        value = record.value
         try:
             request = decode(InferenceRequest, value)
         except SchemaError as exc:
@@ -99,14 +114,16 @@ class RequestChecks:
             return refuse(ErrorCode.INVALID_REQUEST, str(exc))
         return Admitted(request, tp, record.offset, attempt, reply_topic,
                         admitted.arrival_time, admitted.max_ttft_ms, prompt.token_ids,
-                        prompt.chat, decision.tenant)
+                        prompt.chat, decision.tenant, key_digest(_authorization(record)))
 
     async def _cancel(self, record: ConsumerRecord, tp: TopicPartition,
                       parsed: dict[str, object], value: bytes) -> Verdict:
-        """A cancel record: well-formed, its sender's tenant looked up (a database
-        outage leaves it unauthenticated, so it stops nothing); malformed, it is
-        dead-lettered — it has no reply topic to answer on, and an error event under
-        its request id would be a second terminal event for that request."""
+        """A cancel record: well-formed, its sender's tenant looked up — a cancel sent
+        with its request's own key needs no lookup, and with the database away the
+        lookup waits for it, as requests do, until the request's max_ttft_ms from the
+        cancel has passed (a request still unchecked by then has timed out); malformed,
+        it is dead-lettered — it has no reply topic to answer on, and an error event
+        under its request id would be a second terminal event for that request."""
         try:
             cancel = validate(CancelRequest, parsed)
         except SchemaError as exc:
@@ -115,12 +132,28 @@ class RequestChecks:
         auth = [v for k, v in record.headers if k.lower() == "authorization"]
         tenant = None
         if len(auth) == 1:
+            tenant = await self._tenant_of(auth[0], cancel.request_id,
+                                           record.timestamp / 1000 + self.max_ttft_ms / 1000)
+        return Cancel(tp, record.offset, cancel.request_id, tenant,
+                      key_digest(auth[0]) if len(auth) == 1 else None)
+
+    async def _tenant_of(self, authorization: bytes, request_id: str,
+                         deadline: float) -> str | None:
+        waiting = False
+        while True:
             try:
-                tenant = await self.checker.tenant_of(auth[0])
+                return await self.checker.tenant_of(authorization)
             except PermissionsUnavailable as exc:
-                log.warning("a cancel could not be checked, so it stops nothing: %s", exc,
-                            extra={"request_id": cancel.request_id})
-        return Cancel(tp, record.offset, cancel.request_id, tenant)
+                if time.time() >= deadline:
+                    log.warning("a cancel could not be checked before its request's "
+                                "deadline, so it stops nothing (unless sent with the "
+                                "request's own key): %s", exc, extra={"request_id": request_id})
+                    return None
+                if not waiting:
+                    log.warning("a cancel waits for the permission database: %s", exc,
+                                extra={"request_id": request_id})
+                    waiting = True
+                await asyncio.sleep(0.5)
 
     async def _permission(self, record: ConsumerRecord, request: InferenceRequest,
                           deadline: float) -> Decision | None:
@@ -186,3 +219,9 @@ class RequestChecks:
             return f"reply_topic {topic!r} does not exist" + (
                 " (or this worker may not DESCRIBE it)" if options.secured else "")
         return None
+
+
+def _authorization(record: ConsumerRecord) -> bytes | None:
+    """The record's one authorization header, None when there is none (or several)."""
+    auth = [v for k, v in record.headers if k.lower() == "authorization"]
+    return auth[0] if len(auth) == 1 else None

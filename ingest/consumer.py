@@ -17,6 +17,7 @@ requests are never served. Keys off their murmur2 partition are audited
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -121,28 +122,45 @@ class RequestIngest:
         await self.consumer.stop()
 
     async def on_assigned(self, assigned: list[TopicPartition]) -> None:
+        if not assigned:
+            return
+        # aiokafka's public `committed()` drops the metadata we need; ask the coordinator
+        # directly for offset + metadata. The ends: records the last owner may have read.
+        committed = await self.consumer._coordinator.fetch_committed_offsets(list(assigned))
+        ends = await self.consumer.end_offsets(list(assigned))
         for tp in assigned:
-            # aiokafka's public `committed()` drops the metadata we need; ask the
-            # coordinator directly for offset + metadata.
-            committed = await self.consumer._coordinator.fetch_committed_offsets([tp])
             meta = committed.get(tp)
-            self.tracker.assign(tp, meta.metadata if meta is not None else None)
+            self.tracker.assign(tp, meta.metadata if meta is not None else None, ends.get(tp))
             self.fetcher.assigned(tp, meta.offset if meta is not None and meta.offset >= 0
                                   else None)
-            log.info("assigned partition %d (committed %s)", tp.partition,
-                     None if meta is None else f"{meta.offset} {meta.metadata}")
+            log.info("assigned partition %d (committed %s, end %s)", tp.partition,
+                     None if meta is None else f"{meta.offset} {meta.metadata}", ends.get(tp))
 
     async def on_revoked(self, revoked: list[TopicPartition]) -> None:
+        for tp in revoked:  # records being judged now are dropped, not served
+            self.tracker.close(tp)
         await self._revoked_hook(revoked)
         for tp in revoked:
             self.tracker.revoke(tp)
             self.fetcher.revoked(tp)
+
+    def membership_lost(self) -> bool:
+        """Whether the group no longer knows this member (its session expired while it
+        was paused or cut off: its partitions went to others, and it is rejoining)."""
+        return not self.consumer._coordinator.member_id
 
     # ---- reading ------------------------------------------------------------------------
 
     async def poll(self, max_records: int) -> int:
         """Read up to `max_records` and route each one's verdict; returns how many."""
         records, unreadable = await self.fetcher.getmany(timeout_ms=50, max_records=max_records)
+        # Only partitions assigned now (a revoked one's last fetch is no longer ours).
+        epochs = {tp: self.tracker.epoch(tp) for tp in
+                  {TopicPartition(r.topic, r.partition) for r in records}
+                  | {bad.tp for bad in unreadable}}
+        records = [r for r in records
+                   if epochs[TopicPartition(r.topic, r.partition)] is not None]
+        unreadable = [bad for bad in unreadable if epochs[bad.tp] is not None]
         # Records the partition's last owner finished are not served again.
         finished = [r for r in records
                     if self.tracker.finished_earlier(TopicPartition(r.topic, r.partition),
@@ -164,13 +182,16 @@ class RequestIngest:
         if self.transactions is None:
             await self.commit()
         for bad in unreadable:  # the partition goes on past bytes nobody can read
-            await self._route(DeadLettered(bad.tp, bad.offset, None, b"", bad.reason))
+            await self._route(DeadLettered(bad.tp, bad.offset, None, b"", bad.reason,
+                                           epoch=epochs[bad.tp] or 0))
 
         cancels: list[Cancel] = []
 
         async def judge(record: ConsumerRecord, attempt: int) -> None:
             self.audit.check(record, self._num_partitions())
-            verdict = await self.checks.verdict(record, attempt)
+            tp = TopicPartition(record.topic, record.partition)
+            verdict = dataclasses.replace(await self.checks.verdict(record, attempt),
+                                          epoch=epochs[tp] or 0)
             if isinstance(verdict, Cancel):
                 cancels.append(verdict)
             else:

@@ -9,18 +9,28 @@ before the commit point is served twice.
 
 The commit also carries metadata `h=<highest started offset>;a=<attempt>`:
 the next owner of the partition serves records up to `h` again as attempt
-`a + 1`, so the SDK can tell a retry from the first try. When some records
+`a + 1`, so the SDK can tell a retry from the first try — and also every record
+up to the partition's end when it was assigned, since the last owner may have
+started some of those after its last commit (a re-served request must never
+repeat an attempt number: its streamed tokens would mix). When some records
 between the commit point and `h` are finished already (a short request
 answered behind a long one), the metadata lists the unfinished ones, `u=5,7-9`:
 the next owner serves only those again and skips the rest — which exactly-once
 delivery needs (their answers are committed), and which spares at-least-once
 readers a duplicate. A list too long for Kafka's metadata limit is left out
 (everything up to `h` is served again, as before).
+
+Each assignment of a partition has an epoch. Verdicts and requests carry the
+epoch of the assignment they were read under: `owns` says whether they may
+still be acted on (the partition was not revoked or reassigned since), and
+`closed` partitions (being handed over) take no new work but may finish what
+they hold.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -35,27 +45,69 @@ class _Partition:
     heap: list[int] = field(default_factory=list)  # may hold finished offsets (lazy)
     next_offset: int | None = None  # one past the highest offset read
     redelivered_upto: int = -1  # offsets <= this were started by an earlier owner
+    # Offsets <= this are served as `redelivered_attempt` (>= redelivered_upto: records
+    # up to the partition's end at assignment may have been started by an earlier owner).
+    bumped_upto: int = -1
     redelivered_attempt: int = 0
     # Of the offsets <= redelivered_upto, the ones the last owner left unfinished
     # (None: all of them, as far as anyone knows).
     redelivered_unfinished: frozenset[int] | None = None
     committed: tuple[int, str] | None = None
+    epoch: int = 0  # of this assignment
+    closed: bool = False  # being handed over: no new work
+    silenced: bool = False  # handed over: nothing more is answered
 
 
 @dataclass(slots=True)
 class OffsetTracker:
     partitions: dict[object, _Partition] = field(default_factory=dict)
+    _epochs: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def assign(self, tp: object, committed_metadata: str | None) -> None:
-        """A partition was assigned; `committed_metadata` is what the last owner left."""
-        part = _Partition()
+    def assign(self, tp: object, committed_metadata: str | None,
+               end_offset: int | None = None) -> int:
+        """A partition was assigned; `committed_metadata` is what the last owner left,
+        `end_offset` the partition's end now. Returns the assignment's epoch."""
+        part = _Partition(epoch=next(self._epochs))
         match = _META_RE.match(committed_metadata or "")
         if match:
             part.redelivered_upto = int(match.group(1))
             part.redelivered_attempt = int(match.group(2)) + 1
+            part.bumped_upto = max(part.redelivered_upto, (end_offset or 0) - 1)
             if match.group(3) is not None:
                 part.redelivered_unfinished = frozenset(_parse_ranges(match.group(3)))
         self.partitions[tp] = part
+        return part.epoch
+
+    def epoch(self, tp: object) -> int | None:
+        """The epoch of `tp`'s current assignment; None when it is not assigned (or is
+        being handed over)."""
+        part = self.partitions.get(tp)
+        return part.epoch if part is not None and not part.closed else None
+
+    def owns(self, tp: object, epoch: int) -> bool:
+        """Whether work read under `epoch` may still start: `tp` is still assigned under
+        that epoch and not being handed over."""
+        part = self.partitions.get(tp)
+        return part is not None and part.epoch == epoch and not part.closed
+
+    def holds(self, tp: object, epoch: int) -> bool:
+        """Whether work read under `epoch` may still be answered (a partition being handed
+        over finishes what it holds; a revoked one answers nothing more)."""
+        part = self.partitions.get(tp)
+        return part is not None and part.epoch == epoch and not part.silenced
+
+    def close(self, tp: object) -> None:
+        """`tp` is being handed over: it takes no new work."""
+        part = self.partitions.get(tp)
+        if part is not None:
+            part.closed = True
+
+    def silence(self, tp: object) -> None:
+        """`tp` is handed over: nothing more is answered for it (its commit point stays,
+        for the last commit)."""
+        part = self.partitions.get(tp)
+        if part is not None:
+            part.closed = part.silenced = True
 
     def finished_earlier(self, tp: object, offset: int) -> bool:
         """Whether the last owner finished `offset` (its answer is written, and with
@@ -75,7 +127,7 @@ class OffsetTracker:
         heapq.heappush(part.heap, offset)
         if part.next_offset is None or offset >= part.next_offset:
             part.next_offset = offset + 1
-        return part.redelivered_attempt if offset <= part.redelivered_upto else 0
+        return part.redelivered_attempt if offset <= part.bumped_upto else 0
 
     def finish(self, tp: object, offset: int) -> None:
         part = self.partitions.get(tp)
@@ -94,8 +146,9 @@ class OffsetTracker:
             heapq.heappop(part.heap)
         offset = part.heap[0] if part.heap else part.next_offset
         highest_started = part.next_offset - 1
-        attempt = part.redelivered_attempt if highest_started <= part.redelivered_upto else 0
-        meta = f"h={highest_started};a={attempt}"
+        # The highest attempt this owner used: the next one serves everything up to h
+        # with one more, so no two owners ever share an attempt number for a record.
+        meta = f"h={highest_started};a={part.redelivered_attempt}"
         if part.heap and len(part.in_flight) != highest_started - offset + 1:
             # Holes: some records above the commit point are finished. Name the others.
             unfinished = _format_ranges(sorted(part.in_flight))
@@ -117,6 +170,13 @@ class OffsetTracker:
             part = self.partitions.get(tp)
             if part is not None:
                 part.committed = point
+
+
+def highest_started(committed_metadata: str | None) -> int | None:
+    """The highest offset the partition's owner had started when it committed this
+    metadata (`h=`); None for metadata not of sluice."""
+    match = _META_RE.match(committed_metadata or "")
+    return int(match.group(1)) if match else None
 
 
 def _format_ranges(offsets: list[int]) -> str:

@@ -50,8 +50,10 @@ class PartitionAudit:
                 "%d request(s) arrived on a partition other than their key's murmur2 partition "
                 "(e.g. key %r on %s/%d, expected %d): a producer partitions differently, so a "
                 "session's turns can reach different workers and miss their KV cache. "
-                "librdkafka producers (confluent-kafka, kcat, ...) must set "
-                "partitioner=murmur2_random", self._since_warning,
+                "The Java client's default partitioner (and aiokafka's, kafka-python's) is "
+                "right; librdkafka-based producers (confluent-kafka, kcat, node-rdkafka, "
+                "...) must set partitioner=murmur2_random; a custom partitioner must put "
+                "a key on (murmur2(key) & 0x7fffffff) %% partitions", self._since_warning,
                 record.key[:64], record.topic, record.partition, expected)
             self._warned_at = now
             self._since_warning = 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
+from common.timeouts import within
 from schemas import keys as api_keys
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class PermissionChecker:
                     self._listener = conn
                     while not self._closed and not conn.is_closed():
                         # A cheap liveness probe: a dead connection must stop caching.
-                        await asyncio.wait_for(conn.execute("SELECT 1"), 5)
+                        await within(5, conn.execute("SELECT 1"))
                         await asyncio.sleep(1.0)
                 finally:
                     self._listener = None

@@ -9,6 +9,7 @@ holds. Ingest itself writes nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,9 @@ class Admitted:
     token_ids: list[int]  # empty only when it expired before it could be checked
     chat: ChatPrompt | None = None  # a templated chat prompt, for its next turn
     tenant: str | None = None  # whose key sent it: only that tenant may cancel it
+    # A digest of its authorization header: a cancel with the same key needs no lookup.
+    key_digest: bytes | None = None
+    epoch: int = 0  # of the partition's assignment it was read under
 
 
     @property
@@ -71,6 +75,7 @@ class Refused:
     request_id: str
     code: ErrorCode
     message: str
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,7 @@ class DeadLettered:
     key: bytes | None
     value: bytes
     reason: str
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +101,18 @@ class Cancel:
     offset: int
     request_id: str
     tenant: str | None
+    key_digest: bytes | None = None  # of its authorization header
+    epoch: int = 0
 
 
 Verdict = Admitted | Refused | DeadLettered | Cancel
+
+
+def key_digest(authorization: bytes | str | None) -> bytes | None:
+    """A digest of an authorization header's value: two records with the same key have
+    the same digest (the key itself is not kept)."""
+    if authorization is None:
+        return None
+    raw = authorization.encode() if isinstance(authorization, str) else authorization
+    return hashlib.sha256(raw.strip()).digest()
 Route = Callable[[Verdict], Awaitable[None]]

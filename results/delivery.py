@@ -32,6 +32,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
+from common.timeouts import within
 from results.inflight import InFlight
 from results.producer import ProducerPort, TransactionsFailed
 from results.translate import WireRecord
@@ -231,7 +232,7 @@ class Delivery:
         if time.monotonic() < self._unready_until.get(topic, 0.0):
             return False
         try:
-            await asyncio.wait_for(producer.learn(topic), METADATA_WAIT_S)
+            await within(METADATA_WAIT_S, producer.learn(topic))
         except (TimeoutError, KafkaError):
             now = time.monotonic()
             self._unready_until = {t: until for t, until in self._unready_until.items()

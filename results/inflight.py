@@ -29,6 +29,8 @@ class InFlight:
     chat: Any = None  # ingest's rendered chat prompt, remembered for the next turn
     next_seq: int = 0  # of its next token event
     tenant: str | None = None  # whose key sent it: only that tenant may cancel it
+    key_digest: bytes | None = None  # of its authorization header (a cancel's fast check)
+    epoch: int = 0  # of the partition's assignment it was read under
 
     @property
     def request_id(self) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata
 
+from common.timeouts import within
 from common.topics import partitions_of
 from results.producer import TransactionsFailed
 
@@ -156,7 +157,7 @@ class TransactionCommitter:
     async def run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._port.has_records.wait(), self._interval_s)
+                await within(self._interval_s, self._port.has_records.wait())
             if self._port.has_records.is_set():
                 busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
                 await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)

@@ -129,7 +129,7 @@ class Translator:
         record = TimeoutRecord(
             request_id=ctx.request_id, model=self.model, attempt=ctx.attempt, reason=reason,
             waited_ms=waited_ms, max_ttft_ms=ctx.max_ttft_ms,
-            request=ctx.request.model_dump(mode="json"),
+            request=ctx.request.model_dump(mode="json", by_alias=True),
         )
         return (WireRecord(self.timeouts_topic, ctx.request_id.encode(), encode(record)),
                 self._reply(ctx, encode(event)))

@@ -34,6 +34,8 @@ class WorkerInfo:
     started_at: datetime
     last_seen: datetime
     live: bool
+    status: str = "unknown"  # warming, serving, serving (compiled), idle, stopping, ...
+    process: str = ""  # host and pid
 
 
 async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> None:

@@ -53,6 +53,7 @@ from sluice.errors import (
     RequestTimeoutError,
     UnknownModelError,
 )
+from sluice.placements import GRACE_S, Placements
 from sluice.replies import ReplyReader, hide_attempts
 
 TERMINAL_EVENTS = (DoneEvent, ErrorEvent, TimeoutEvent)
@@ -159,6 +160,7 @@ class Client:
         self._data_lock: asyncio.Lock | None = None
         self._producer_lock: asyncio.Lock | None = None
         self._topic_seen: dict[str, float] = {}  # request topic -> monotonic time
+        self._placements = Placements(self.settings)
 
     # -- control plane ------------------------------------------------------------------
 
@@ -193,7 +195,11 @@ class Client:
                 **self.settings.producer_options(), enable_idempotence=True,
                 request_timeout_ms=int(self.settings.client.timeout_secs * 1000),
             )
-            await connect(producer.start(), self.settings, "the SDK's producer")
+            try:
+                await connect(producer.start(), self.settings, "the SDK's producer")
+            except BaseException:
+                await producer.stop()  # a failed start closes what it opened
+                raise
             self._producer = producer
         return self._producer
 
@@ -208,7 +214,11 @@ class Client:
                 reader = None
             if reader is None:
                 reader = ReplyReader(self.settings, topic)
-                await connect(reader.start(), self.settings, f"reading reply topic {topic}")
+                try:
+                    await connect(reader.start(), self.settings, f"reading reply topic {topic}")
+                except BaseException:
+                    await reader.stop()
+                    raise
                 self._readers[topic] = reader
             return reader
 
@@ -263,13 +273,15 @@ class Client:
         request = self._request(model, request_id, fields)
         topic = await self.check_model(model)
         reader = await self._reader(str(request.reply_topic))
+        max_ttft_ms = await self._max_ttft_ms(model, request.max_ttft_ms)
         sub = reader.subscribe(request.request_id)
         sent = ended = False
+        waiting: asyncio.Future[ReplyEvent] | None = None
         headers = [("authorization", f"Bearer {key}".encode())] if key else []
         try:
             assert self._producer is not None
             try:
-                await self._producer.send_and_wait(
+                where = await self._producer.send_and_wait(
                     topic, encode(request), key=request.partition_key.encode(), headers=headers)
                 sent = True
             except KafkaError as exc:
@@ -279,26 +291,56 @@ class Client:
                 self._topic_seen.pop(topic, None)
                 await self.check_model(model)  # removed meanwhile: say so
                 raise
+            sent_at = time.monotonic()
+            # The first event is due within max_ttft_ms (+ grace) — else, unless a worker
+            # has started the request, none will come (see `sluice.placements`).
+            started_by = (None if max_ttft_ms is None
+                          else sent_at + max_ttft_ms / 1000 + GRACE_S)
             events = hide_attempts(sub)
             while True:
+                until = deadline if started_by is None else min(deadline, started_by)
+                # A wait that times out leaves the next event's future running (cancelling
+                # it would close the event generator mid-stream).
+                if waiting is None:
+                    waiting = asyncio.ensure_future(anext(events))
+                await asyncio.wait({waiting}, timeout=max(0.0, until - time.monotonic()))
+                if not waiting.done():
+                    if until == deadline:
+                        raise RequestTimeoutError.no_terminal_event(
+                            request.request_id, model, limit)
+                    assert max_ttft_ms is not None
+                    if await self._placements.started(model, where.partition,
+                                                      where.offset) is not False:
+                        started_by = None  # started (or unknown): its answer is coming
+                        continue
+                    raise RequestTimeoutError.not_started(
+                        request.request_id, model, max_ttft_ms, time.monotonic() - sent_at)
                 try:
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        event = await anext(events)
-                except TimeoutError:
-                    raise RequestTimeoutError.no_terminal_event(
-                        request.request_id, model, limit) from None
+                    event = waiting.result()
                 except StopAsyncIteration:
                     ended = True
                     return
+                waiting = None
+                started_by = None
                 ended = isinstance(event, TERMINAL_EVENTS)
                 yield event
         finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
             reader.unsubscribe(request.request_id)
             if sent and not ended:
                 # Closed early, cancelled, or out of time: the worker stops it (a cancel
                 # record is durable, so whoever holds the request honours it).
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.shield(self._send_cancel(topic, request, headers))
+
+    async def _max_ttft_ms(self, model: str, requested: int | None) -> int | None:
+        """The longest the first event may take: the model's max_ttft_ms, tightened by the
+        request's own; None when the model's cannot be read (the client's own timeout)."""
+        own = await self._placements.max_ttft_ms(model)
+        if own is None:
+            return None
+        return min(own, requested) if requested is not None else own
 
     async def cancel(self, *, model: str, request_id: str, session_id: str | None = None,
                      api_key: str | None = None) -> None:
@@ -336,9 +378,11 @@ class Client:
         raise RuntimeError("the reply stream ended without a terminal event")
 
     async def aclose(self) -> None:
+        """Close the Kafka clients the data plane opened (and the control plane's)."""
         for reader in self._readers.values():
             await reader.stop()
         self._readers.clear()
+        await self._placements.close()
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
@@ -357,3 +401,9 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -86,7 +86,11 @@ class ControlPlane:
                 **settings.producer_options(), enable_idempotence=True,
                 request_timeout_ms=int(timeout * 1000),
             )
-            await connect(producer.start(), settings, "the control plane's producer")
+            try:
+                await connect(producer.start(), settings, "the control plane's producer")
+            except BaseException:
+                await producer.stop()  # a failed start closes what it opened
+                raise
         except BaseException:
             await pool.close()
             raise
@@ -181,7 +185,9 @@ class ControlPlane:
         async with self._pool.acquire() as conn:
             rows = await self._call(conn.fetch(
                 "SELECT instance_id, model, pool, device, device_memory_bytes, started_at, "
-                "last_seen, last_seen > now() - make_interval(secs => $3) AS live "
+                "last_seen, last_seen > now() - make_interval(secs => $3) AND status <> 'stopped' "
+                "AS live, status, "
+                "process "
                 "FROM workers WHERE ($1::text IS NULL OR model = $1) "
                 "AND ($2::text[] IS NULL OR pool = ANY($2::text[])) "
                 "ORDER BY model, pool, instance_id", model, pools, LIVE_WINDOW_S),

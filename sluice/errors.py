@@ -75,10 +75,24 @@ class RequestTimeoutError(SluiceError, TimeoutError):
         self.waited_ms = waited_ms
         self.max_ttft_ms = max_ttft_ms
         self.client_deadline = max_ttft_ms is None
+        self.not_started = False  # no worker started it in time (the SDK's own verdict)
         super().__init__(message or (
             f"request {request_id} timed out: no first token within max_ttft_ms={max_ttft_ms} "
             f"(waited {waited_ms:.0f} ms)"
         ))
+
+    @classmethod
+    def not_started(cls, request_id: str, model: str, max_ttft_ms: int,
+                    waited_s: float) -> RequestTimeoutError:
+        """No worker started the request within the model's max_ttft_ms (plus a grace):
+        none serves the model now, or all that do are still loading."""
+        error = cls(request_id, waited_s * 1000, max_ttft_ms, (
+            f"request {request_id}: no worker started it within model {model!r}'s "
+            f"max_ttft_ms={max_ttft_ms} (waited {waited_s:.1f} s). No worker serves the "
+            f"model now, or every one is still starting: `sluice workers --model {model}` "
+            "lists the live ones and what they are doing"))
+        error.not_started = True
+        return error
 
     @classmethod
     def no_terminal_event(cls, request_id: str, model: str,

@@ -36,6 +36,7 @@ from schemas import DoneEvent, ErrorEvent, ReplyEvent, TimeoutEvent, TokenEvent
 from sluice import openai_api as oai
 from sluice.client import Client
 from sluice.errors import InvalidRequestError, RequestTimeoutError, UnknownModelError
+from sluice.readiness import registered_at, serving_workers
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Gateway:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
         ], lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -106,7 +108,24 @@ class Gateway:
         return await self._generate(request, "completion", oai.CompletionBody)
 
     async def health(self, _request: Request) -> Response:
+        """Liveness: the gateway answers (whatever its models' workers do)."""
         return _JSON({"status": "ok", "reply_topic": self.reply_topic})
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: 200 when a live worker serves (`?model=M`: serves model M, else any
+        registered model), 503 otherwise; the body says it per model."""
+        try:
+            serving = await serving_workers(self._pool)
+            registered = [d.model for d in await asyncio.to_thread(self.client.models.list)]
+        except Exception as exc:  # the database away: not ready, and why
+            return _JSON({"status": "not_ready", "reason": f"{type(exc).__name__}: {exc}"},
+                         status_code=503)
+        wanted = request.query_params.get("model")
+        models = {m: {"ready": m in serving, "serving_workers": serving.get(m, 0)}
+                  for m in registered if wanted in (None, m)}
+        ok = any(m["ready"] for m in models.values())
+        return _JSON({"status": "ready" if ok else "not_ready", "models": models},
+                     status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -142,15 +161,17 @@ class Gateway:
             raise oai.OpenAIError(401, "unknown or revoked API key", "authentication_error",
                                   "unauthorized")
         deployments = await asyncio.to_thread(self.client.models.list)
+        serving = await serving_workers(self._pool)
+        created_at = await registered_at(self._pool)
         out = []
         for dep in deployments:
-            created = 0
+            created = created_at.get(dep.model, 0)
             for adapter in [None, *(a.name for a in dep.adapters)]:
                 if (await self._checker.check(auth, dep.model, adapter)).allowed:
                     out.append({"id": dep.model if adapter is None else f"{dep.model}:{adapter}",
                                 "object": "model", "created": created, "owned_by": "sluice",
                                 "root": dep.model, "parent": None if adapter is None
-                                else dep.model})
+                                else dep.model, "ready": dep.model in serving})
         return out
 
     async def _generate(self, request: Request, kind: oai.Kind,

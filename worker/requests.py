@@ -29,6 +29,12 @@ from schemas import ErrorCode, Timing
 log = logging.getLogger(__name__)
 
 EngineOf = Callable[[], Engine]
+# (partition, epoch) -> whether work read under that assignment may go on.
+Owns = Callable[[object, int], bool]
+
+
+def _always(_tp: object, _epoch: int) -> bool:
+    return True
 
 
 class HeldRequests:
@@ -86,8 +92,13 @@ class Router:
                  sampling_defaults_of: Callable[[], SamplingDefaults] = SamplingDefaults, *,
                  finished: Callable[[object, int], None] = lambda _tp, _offset: None,
                  on_cancel: Callable[[str], None] = lambda _outcome: None,
-                 grammar_of: Callable[[dict[str, Any]], str | None] | None = None):
+                 grammar_of: Callable[[dict[str, Any]], str | None] | None = None,
+                 owns: Owns = _always, holds: Owns = _always):
         self._grammar_of = grammar_of or _no_grammars
+        # A partition being handed over (or gone) starts no new work: a verdict read
+        # under an older assignment is dropped, never served beside its new owner.
+        self._owns = owns
+        self._holds = holds
         self._finished = finished  # a record that needs no answer (a cancel) is done
         self._on_cancel = on_cancel  # "cancelled" | "ignored" | "refused", for metrics
         self._writer = writer
@@ -98,8 +109,12 @@ class Router:
 
     async def route(self, verdict: Verdict) -> None:
         if isinstance(verdict, Cancel):
-            self._cancel(verdict)
-            self._finished(verdict.tp, verdict.offset)
+            if self._holds(verdict.tp, verdict.epoch):  # its request may still be finishing
+                self._cancel(verdict)
+                self._finished(verdict.tp, verdict.offset)
+        elif not self._owns(verdict.tp, verdict.epoch):
+            log.debug("a record of partition %s read before it was revoked is left to its "
+                      "new owner", verdict.tp)
         elif isinstance(verdict, DeadLettered):
             await self._writer.dead_letter(tp=verdict.tp, offset=verdict.offset,
                                            key=verdict.key, value=verdict.value,
@@ -120,7 +135,8 @@ class Router:
             if ctx.request.request_id != cancel.request_id or (
                     ctx.topic_partition != cancel.tp):
                 continue
-            if cancel.tenant is None or cancel.tenant != ctx.tenant:
+            same_key = cancel.key_digest is not None and cancel.key_digest == ctx.key_digest
+            if not same_key and (cancel.tenant is None or cancel.tenant != ctx.tenant):
                 log.warning("a cancel from another tenant (or an unknown key) was ignored",
                             extra={"request_id": cancel.request_id})
                 self._on_cancel("refused")
@@ -142,7 +158,7 @@ class Router:
             arrival_time=admitted.arrival_time, max_ttft_ms=admitted.max_ttft_ms,
             decoder=IncrementalDecoder(self._tokenizer_of(), []),  # type: ignore[arg-type]
             num_prompt_tokens=len(admitted.token_ids), chat=admitted.chat,
-            tenant=admitted.tenant,
+            tenant=admitted.tenant, key_digest=admitted.key_digest, epoch=admitted.epoch,
         )
         grammar = None
         if req.response_format is not None and req.response_format.type != "text":
@@ -156,12 +172,14 @@ class Router:
         # Sampling the request leaves out comes from the model's generation_config.json.
         given, defaults = req.model_fields_set, self._sampling_defaults_of()
         params = SamplingParams(
-            max_tokens=req.max_tokens,
+            max_tokens=req.max_tokens, max_tokens_asked="max_tokens" in given,
             temperature=req.temperature if "temperature" in given else defaults.temperature,
             top_p=req.top_p if "top_p" in given else defaults.top_p,
             top_k=req.top_k if "top_k" in given else defaults.top_k,
             seed=req.seed, stop=tuple(req.stop), logprobs=req.logprobs, grammar=grammar,
         )
+        if not self._owns(admitted.tp, admitted.epoch):  # revoked while it was prepared
+            return
         self._held.hold(key, ctx)
         try:
             self._engine_of().submit(bt.Request(
@@ -182,8 +200,11 @@ OnDone = Callable[[InFlight, bt.Finished], None]
 
 class EventPump:
     def __init__(self, writer: ResultWriter, held: HeldRequests, engine: Engine,
-                 on_done: OnDone | None = None):
+                 on_done: OnDone | None = None, holds: Owns = _always):
         self._writer = writer
+        # Events of a request whose partition was revoked (handed over, or lost while this
+        # worker was paused) are dropped: its new owner answers it.
+        self._holds = holds
         self._held = held
         self._engine = engine
         self._on_done = on_done  # after a done event is written (the next turn's memory)
@@ -242,6 +263,10 @@ class EventPump:
 
     async def _handle(self, event: bt.Event) -> None:
         ctx: InFlight = event.origin
+        if not self._holds(ctx.topic_partition, ctx.epoch):
+            if not isinstance(event, bt.Tokens):
+                await self._held.release(event.key)
+            return
         if isinstance(event, bt.Tokens):
             await self._writer.tokens(ctx, list(event.token_ids), event.logprobs)
             return

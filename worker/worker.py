@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 from aiokafka import TopicPartition
@@ -40,6 +43,7 @@ from common.db import create_pool, notify_channel
 from common.kafka_connect import connect
 from common.kafka_security import explain
 from common.settings import Settings
+from common.timeouts import within
 from gpu_runtime import RankFailure, Runtime, RuntimeConfig
 from gpu_runtime.planner import available_device_bytes
 from ingest.consumer import RequestIngest
@@ -52,7 +56,8 @@ from results.transactions import TransactionCommitter
 from results.writer import ResultWriter
 from schemas import ModelDeployment
 from worker.deployments import DeploymentWatcher
-from worker.heartbeat import heartbeat
+from worker.heartbeat import Heartbeat
+from worker.identity import ReplicaLock, ReplicaTakenError
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.options import WorkerOptions, ingest_options, results_options
 from worker.requests import EventPump, HeldRequests, Router
@@ -71,6 +76,7 @@ LEAVE_GROUP_S = 30.0
 HAND_OVER_S = 20.0
 
 RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
+T = TypeVar("T")
 
 
 class WorkerTaskFailed(RuntimeError):
@@ -85,9 +91,11 @@ class Worker:
         # A seam for fault-injection tests: they wrap the runtime's `execute`.
         self._runtime_factory = runtime_factory
         self.model = options.model
+        # The static group member id, settled in `run` once this worker holds its lock
+        # (`worker.identity`): `--instance-id`, else pool-host-replica.
         self.instance_id = options.instance_id or (
-            f"{settings.pool}-{socket.gethostname()}-{options.replica}"
-        )
+            self._member_id(options.replica) if options.replica is not None else "")
+        self.heartbeat: Heartbeat | None = None
         self.tracker = OffsetTracker()
         self.metrics = WorkerMetrics(options.model, settings.pool)
         self.metrics_server: MetricsServer | None = None
@@ -109,20 +117,29 @@ class Worker:
         self.fatal: BaseException | None = None
         self.adapters = ServedAdapters(self.model)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._compiling = False  # the compiled step is being built behind live serving
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def run(self) -> None:
+        pool = await create_pool(self.settings, max_size=4)
+        identity = ReplicaLock(self.settings.database_dsn(), self.settings.db_schema,
+                               self.settings.topic(self.model), self.settings.client.timeout_secs)
+        try:
+            await self._take_identity(identity)
+        except BaseException:
+            await pool.close()
+            raise
         self.writer = ResultWriter(results_options(self.settings, self.model),
                                    self.tracker.finish, self.metrics)
         watcher = DeploymentWatcher(self.settings, self.model)
-        pool = await create_pool(self.settings, max_size=4)
         checker = PermissionChecker(pool, notify_channel(self.settings.db_schema),
                                     call_timeout_s=self.settings.client.timeout_secs)
         self._serve_metrics()
         try:
+            self._spawn(identity.hold(), "replica lock")
             self._watch(checker.start(), "permission listener")
-            self._spawn(self._heartbeat(pool), "heartbeat")
+            await self._start_heartbeat(pool)
             await connect(self.writer.start(), self.settings, "the worker's producer")
             await connect(watcher.start(self._on_deployment), self.settings,
                           f"reading {self.settings.topic('control')}")
@@ -142,9 +159,49 @@ class Worker:
             self._spawn(self._gauges(), "gauges")
             if not self._stopping.is_set():
                 self.metrics.set_ready(True)
+                self._set_status(self._serving_status())
+                log.info("serving %s as %s", self.model, self.instance_id)
             await self._stopping.wait()
         finally:
             await self._shutdown(watcher, checker, pool)
+            await identity.release()
+
+    def _member_id(self, replica: int) -> str:
+        return f"{self.settings.pool}-{socket.gethostname()}-{replica}"
+
+    async def _take_identity(self, identity: ReplicaLock) -> None:
+        """Hold this replica's member id, or refuse to start (ReplicaTakenError): two
+        live workers with one id would both serve the same partitions."""
+        if self.instance_id:
+            holder = await identity.take(self.instance_id)
+            if holder is not None:
+                flag = ("--instance-id" if self.options.instance_id
+                        else f"--replica {self.options.replica}")
+                raise ReplicaTakenError(
+                    f"another live worker of model {self.model} already runs as "
+                    f"{self.instance_id} ({holder}): two workers with one group member id "
+                    f"would both answer the same requests. Start this one with another "
+                    f"{flag.split()[0]}" + ("" if self.options.instance_id else
+                                            ", or without --replica to take the lowest free "
+                                            "index"))
+            return
+        replica = await identity.take_first_free(self._member_id)
+        self.options = dataclasses.replace(self.options, replica=replica)
+        self.instance_id = self._member_id(replica)
+
+    async def _start_heartbeat(self, pool: asyncpg.Pool) -> None:
+        """Tell the control plane where we run, what we do and how much memory a model
+        may use (`sluice workers`, the gateway's /ready, capacity checks)."""
+        self.heartbeat = Heartbeat(pool, instance_id=self.instance_id, model=self.model,
+                                   pool_name=self.settings.pool, device=self.options.device)
+        self.heartbeat.device_memory_bytes = (
+            self.options.memory_budget_bytes
+            or await asyncio.to_thread(available_device_bytes, self.options.device))
+        self._spawn(self.heartbeat.run(), "heartbeat")
+
+    def _set_status(self, status: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.set_status(status)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -167,6 +224,7 @@ class Worker:
     async def _shutdown(self, watcher: DeploymentWatcher, checker: PermissionChecker,
                         pool: asyncpg.Pool) -> None:
         self.metrics.set_ready(False)
+        self._set_status("stopping")
         if self.engine is not None and self.fatal is None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(DRAIN_S):
@@ -198,6 +256,10 @@ class Worker:
             await asyncio.to_thread(self.runtime.close)
         await watcher.stop()
         await checker.close()
+        if self.heartbeat is not None:
+            self.heartbeat.set_status("stopped")
+            with contextlib.suppress(Exception):
+                await within(5, self.heartbeat.beat())
         await pool.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -250,16 +312,16 @@ class Worker:
 
     async def _load(self, dep: ModelDeployment) -> None:
         started = time.monotonic()
+        self._set_status("warming")
         config = self.options.runtime_config(dep, self.settings.compile)
         runtime = await asyncio.to_thread(self._runtime_factory, dep.path, config)
         self.runtime = runtime
-        if config.compile:
-            seconds = await asyncio.to_thread(runtime.warm_up)
-            if runtime.compile_failure is not None:
-                log.warning("serving %s with eager steps: %s", dep.model,
-                            runtime.compile_failure)
-            elif seconds is not None:
-                log.info("compiled the decode step of %s in %.1f s", dep.model, seconds)
+        if config.compile and config.tp > 1:
+            # Every rank compiles in step (the graphs' all-reduces), which would stall the
+            # live steps beside it: at tp > 1 the compile comes first.
+            log.info("tp=%d: compiling the decode step of %s before serving", config.tp,
+                     dep.model)
+            await self._warm_up(runtime)
         self.adapters = ServedAdapters(self.model)
         await self.adapters.load(runtime, dep.adapters)
         slots = self.options.adapter_slots_for(dep)
@@ -273,7 +335,7 @@ class Worker:
         if self.pump is None:
             assert self.writer is not None
             self.pump = EventPump(self.writer, self.held, self.engine,
-                                  on_done=self._remember_turn)
+                                  on_done=self._remember_turn, holds=self.tracker.holds)
         else:
             self.pump.switch(self.engine)
         if self.ingest is not None:
@@ -281,6 +343,42 @@ class Worker:
         await self._use_delivery(dep)
         log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
                  sorted(self.adapters.names), time.monotonic() - started)
+        if config.compile and config.tp == 1:
+            # Serve first: eager steps answer at once, and the compiled graphs are swapped
+            # in between steps when the warm-up (in a thread of its own) has built them.
+            self._spawn(self._warm_up(runtime), "compile warm-up", runs_forever=False)
+        self._set_status(self._serving_status())
+
+    async def _warm_up(self, runtime: Runtime) -> None:
+        """Build the compiled decode step; any failure leaves the runtime eager."""
+        self._compiling = True
+        self._set_status(self._serving_status())
+        try:
+            seconds = await _in_background_thread(runtime.warm_up)
+        except Exception as exc:
+            log.error("building the compiled decode step of %s failed; serving with eager "
+                      "steps", self.model, exc_info=exc)
+            seconds = None
+        finally:
+            self._compiling = False
+        if runtime is not self.runtime:
+            return  # reloaded meanwhile
+        if runtime.compile_failure is not None:
+            log.warning("serving %s with eager steps: %s", self.model, runtime.compile_failure)
+        elif seconds is not None:
+            log.info("compiled the decode step of %s in %.1f s; decode steps take it from "
+                     "now on", self.model, seconds)
+        self._set_status(self._serving_status())
+
+    def _serving_status(self) -> str:
+        if self.ingest is None or not self.metrics.ready:
+            return "warming"
+        if not self._serving.is_set():
+            return "idle"
+        runtime = self.runtime
+        if runtime is not None and runtime.compiled_ready:
+            return "serving (compiled)"
+        return "serving (compiling)" if self._compiling else "serving"
 
     async def _use_delivery(self, dep: ModelDeployment) -> None:
         """At-least-once, or exactly-once: terminal records and offsets in transactions
@@ -342,6 +440,7 @@ class Worker:
             self._serving.clear()
         if self.ingest is not None:
             self.ingest.max_ttft_ms = dep.placement.max_ttft_ms
+        self._set_status(self._serving_status())
 
     async def _on_deployment(self, dep: ModelDeployment | None) -> None:
         if dep is None:
@@ -350,6 +449,7 @@ class Worker:
             log.warning("model %s was removed: leaving its consumer group until it is "
                         "registered again", self.model)
             self._serving.clear()
+            self._set_status(self._serving_status())
             return
         previous = self.deployment
         self.deployment = dep
@@ -382,6 +482,7 @@ class Worker:
         await self._load(self.deployment)
         self.num_reloads += 1
         self.metrics.set_ready(True)
+        self._set_status(self._serving_status())
 
     # ---- requests in -----------------------------------------------------------------
 
@@ -399,7 +500,8 @@ class Worker:
                         lambda: self.runtime.tokenizer if self.runtime else None,
                         lambda: self._current_runtime().model_config.sampling_defaults,
                         finished=self.tracker.finish, on_cancel=self.metrics.observe_cancel,
-                        grammar_of=lambda rf: self._current_runtime().grammars.compile(rf))
+                        grammar_of=lambda rf: self._current_runtime().grammars.compile(rf),
+                        owns=self.tracker.owns, holds=self.tracker.holds)
         ingest = RequestIngest(
             ingest_options(self.settings, self.model, self.instance_id),
             tracker=self.tracker, checker=checker, prompts=prompts, route=router.route,
@@ -472,18 +574,45 @@ class Worker:
             self.metrics.forget_partition(tp.partition)
 
     async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
-        """Partitions move away: finish their requests (bounded), else cancel them."""
+        """Partitions move away (ingest has closed them: records still being judged are
+        dropped): finish the requests held for them (bounded), else drop them unanswered,
+        then commit and hand over. A worker the group no longer knows (paused or cut off
+        past its session) hands nothing over: the partitions have new owners already, so
+        it drops what it holds for them at once and commits nothing."""
         gone: set[object] = set(revoked)
+        if not gone:
+            return
         started = time.monotonic()
+        names = sorted(tp.partition for tp in revoked)
+        if self.ingest is not None and self.ingest.membership_lost():
+            for tp in revoked:  # no answer, and no commit point to commit, from now on
+                self.tracker.revoke(tp)
+            dropped = self._drop_held(gone)
+            log.warning("this worker fell out of the consumer group (paused or cut off "
+                        "longer than its session timeout): partitions %s went to other "
+                        "workers, which serve its %d requests of them again; dropped them "
+                        "unanswered and rejoining", names, dropped)
+            return
         await self.held.wait_none_from(gone, HAND_OVER_S)
-        if self.engine is not None:
-            for key, ctx in self.held.items():
-                if ctx.topic_partition in gone:
-                    self.engine.cancel(key)
+        dropped = self._drop_held(gone)
+        for tp in revoked:  # nothing more is answered for them, even if a step ends
+            self.tracker.silence(tp)
         if self.ingest is not None:
             await self.ingest.commit()
-        log.info("partitions %s revoked; handed over after %.2f s",
-                 sorted(tp.partition for tp in revoked), time.monotonic() - started)
+        log.info("partitions %s revoked; handed over after %.2f s%s", names,
+                 time.monotonic() - started,
+                 f" ({dropped} unfinished requests left to their new owner)" if dropped else "")
+
+    def _drop_held(self, partitions: set[object]) -> int:
+        """Stop, unanswered, the requests held for `partitions` (their offsets stay
+        unfinished; the partitions' next owner serves them)."""
+        dropped = 0
+        for key, ctx in self.held.items():
+            if ctx.topic_partition in partitions:
+                dropped += 1
+                if self.engine is not None:
+                    self.engine.cancel(key)
+        return dropped
 
     # ---- background --------------------------------------------------------------------
 
@@ -505,7 +634,7 @@ class Worker:
             if time.monotonic() - checked > ACCESS_CHECK_EVERY_S:
                 checked = time.monotonic()
                 with contextlib.suppress(TimeoutError, KafkaConnectionError):
-                    await asyncio.wait_for(ingest.check_access(), 10)
+                    await within(10, ingest.check_access())
             if self.adapters.has_retired:
                 await self.adapters.drop_retired(runtime, engine)
             self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
@@ -516,16 +645,34 @@ class Worker:
                 if high is not None:  # lag = records not yet finished
                     self.metrics.set_lag(tp.partition, high - (point[0] if point else high))
 
-    async def _heartbeat(self, pool: asyncpg.Pool) -> None:
-        """Tell the control plane where we run and how much memory a model may use."""
-        capacity = self.options.memory_budget_bytes or await asyncio.to_thread(
-            available_device_bytes, self.options.device)
-        await heartbeat(pool, instance_id=self.instance_id, model=self.model,
-                        pool_name=self.settings.pool, device=self.options.device,
-                        device_memory_bytes=capacity)
-
     async def _commit_loop(self) -> None:
         assert self.ingest is not None
         while True:
             await asyncio.sleep(0.1)
             await self.ingest.commit()
+
+
+async def _in_background_thread(work: Callable[[], T]) -> T:
+    """`work`'s result, computed in a daemon thread at a lower CPU priority: a stopping
+    worker does not wait for it (as it would for the loop's executor), and the live eager
+    steps keep the cores (Linux nices threads one by one; the compiler's worker processes
+    started from it inherit that)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            result = work()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
+        else:
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
+
+    threading.Thread(target=run, name="sluice-compile", daemon=True).start()
+    return await future

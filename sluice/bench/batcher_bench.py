@@ -12,7 +12,7 @@ waits behind the bulk burst and times out; by deadline it goes first. The
 goal is zero interactive timeouts under EDF where FCFS has some, at >= 95 %
 of FCFS's throughput.
 
-    python -m benchmarks.batcher_bench --device cuda          # prints the JSON
+    python -m sluice.bench.batcher_bench --device cuda          # prints the JSON
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from safetensors.torch import save_file
 from batcher.config import BatcherConfig, OrderingPolicy
 from batcher.engine import Engine
 from batcher.types import TERMINAL_EVENT_TYPES, Expired, Finished, Request, RequestClass
-from benchmarks.runtime_bench import SMOLLM_135M as RUNTIME_SMOLLM_135M
 from gpu_runtime import Runtime, RuntimeConfig
 from gpu_runtime.sequence import SamplingParams
 from gpu_runtime.tiny import random_llama_weights
+from sluice.bench.runtime_bench import SMOLLM_135M as RUNTIME_SMOLLM_135M
 
 # The runtime benchmark's SmolLM-135M shape, with the fields a loader and its
 # stop tokens need here.

@@ -1,6 +1,6 @@
 """Scenarios that wrap the component benchmarks: `runtime`, `adapters`, `deadlines`.
 
-`benchmarks.runtime_bench` and `benchmarks.batcher_bench` own the measurements; this module
+`sluice.bench.runtime_bench` and `sluice.bench.batcher_bench` own the measurements; this module
 turns their plain dicts into figures with units, adds the ratios to each
 baseline, the fractions of the machine's limits, and the goals.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.harness import (
+from sluice.bench.harness import (
     ScenarioResult,
     combined_flops,
     figure,
@@ -26,7 +26,7 @@ SMOLLM_LINEAR_PARAMS_PER_LAYER = 576 * (576 + 192 + 192 + 576) + 3 * 1536 * 576
 
 
 def bench_runtime_scenario(device: str, quick: bool) -> ScenarioResult:
-    from benchmarks.runtime_bench import bench_runtime
+    from sluice.bench.runtime_bench import bench_runtime
 
     started = time.perf_counter()
     raw = bench_runtime(device, quick)
@@ -142,13 +142,13 @@ def as_figures(raw: Any, key: str = "") -> Any:
 
 
 def bench_adapters_scenario(device: str, quick: bool) -> ScenarioResult:
-    import benchmarks.runtime_bench as runtime_bench
+    import sluice.bench.runtime_bench as runtime_bench
 
     started = time.perf_counter()
     bench_adapters = getattr(runtime_bench, "bench_adapters", None)
     if bench_adapters is None:
         results = {"available": False,
-                   "note": "benchmarks.runtime_bench.bench_adapters does not exist in this build"}
+                   "note": "sluice.bench.runtime_bench.bench_adapters does not exist in this build"}
         return ScenarioResult("n/a", results, time.perf_counter() - started)
     raw = bench_adapters(device, quick)
     tps = raw.get("decode_tokens_s", {})
@@ -226,7 +226,7 @@ def _policy_figures(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_deadlines_scenario(device: str, quick: bool) -> ScenarioResult:
-    from benchmarks.batcher_bench import bench_deadlines
+    from sluice.bench.batcher_bench import bench_deadlines
 
     started = time.perf_counter()
     raw = bench_deadlines(device, quick)

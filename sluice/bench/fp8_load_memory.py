@@ -1,6 +1,6 @@
 """Peak memory of loading a checkpoint as FP8: quantized while read vs after loading.
 
-    python benchmarks/fp8_load_memory.py MODEL_DIR [--dtype bfloat16]
+    python -m sluice.bench.fp8_load_memory MODEL_DIR [--dtype bfloat16]
 
 Each mode loads in a fresh process; a sampler thread records the peak of the
 process's anonymous memory (RssAnon), which is what the loaded tensors cost on

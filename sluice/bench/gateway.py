@@ -40,10 +40,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from benchmarks.harness import figure, goal, latency_figures, percentile, ratio
-from benchmarks.served import MODEL, Served
 from infra.common import free_port
 from schemas import DoneEvent, TokenEvent
+from sluice.bench.harness import figure, goal, latency_figures, percentile, ratio
+from sluice.bench.served import MODEL, Served
 
 _WORDS = (
     "requests", "arrive", "on", "kafka", "topics", "are", "batched", "by", "deadline", "and",

@@ -12,8 +12,8 @@ formats). Measures, in one process:
   4.8 TB/s spec) and bf16 matmul FLOP/s at the decode shapes; batch-1 decode
   as a fraction of both bandwidths (bytes of weights + KV read per step).
 
-    python -m benchmarks.gpu --json out.json          # ~5 min on one H200
-    python -m benchmarks.gpu --tiny --device cpu      # the same code paths, tiny shape
+    python -m sluice.bench.gpu --json out.json          # ~5 min on one H200
+    python -m sluice.bench.gpu --tiny --device cpu      # the same code paths, tiny shape
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.harness import (
+from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+from sluice.bench.harness import (
     MatmulShape,
     figure,
     goal,
@@ -41,7 +42,6 @@ from benchmarks.harness import (
     sync_for,
     timed,
 )
-from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
 
 H200_HBM_BYTES_S = 4.8e12
 LLAMA3_8B = {
@@ -287,7 +287,7 @@ def run_gpu(device: str = "cuda", *, tiny: bool = False) -> dict[str, Any]:
 def print_gpu(doc: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
 
-    from benchmarks.table import goals_table, scenario_table
+    from sluice.bench.table import goals_table, scenario_table
 
     console = console or Console()
     console.print(f"[bold]sluice bench gpu[/] {doc['date']}  {doc['model_shape']}")

@@ -123,8 +123,8 @@ class MatmulShape:
 
 def measure_bandwidth(device: str, dtype: torch.dtype = torch.float32,
                       num_bytes: int = 256 << 20) -> float:
-    """Bytes/s of reading one large tensor (see benchmarks.runtime_bench), best of 3."""
-    from benchmarks.runtime_bench import measure_read_bandwidth
+    """Bytes/s of reading one large tensor (see sluice.bench.runtime_bench), best of 3."""
+    from sluice.bench.runtime_bench import measure_read_bandwidth
 
     return measure_read_bandwidth(device, dtype, num_bytes, sync_for(device))
 

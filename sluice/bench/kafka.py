@@ -25,11 +25,11 @@ import orjson
 from batcher.config import BatcherConfig
 from batcher.engine import Engine
 from batcher.types import TERMINAL_EVENT_TYPES, Finished, Request, Tokens
-from benchmarks.harness import figure, goal, latency_figures, percentile, ratio
-from benchmarks.served import KV_CACHE_LEN, MAX_NUM_BATCHED_TOKENS, MODEL, Served
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
 from schemas import DoneEvent as WireDone
 from schemas import TokenEvent as WireToken
+from sluice.bench.harness import figure, goal, latency_figures, percentile, ratio
+from sluice.bench.served import KV_CACHE_LEN, MAX_NUM_BATCHED_TOKENS, MODEL, Served
 
 
 def _engine(model_dir: Path, device: str) -> Engine:
@@ -184,8 +184,8 @@ async def _exactly_once_cost(served: Served, device: str, quick: bool,
     """The same requests to the at-least-once model and to a twin in exactly-once
     mode (transactions), alternating one by one; then the same bulk load on each,
     alternating runs: what the transactions cost in TTFT and throughput."""
-    from benchmarks.served import twin_model
     from sluice.batch import run_batch
+    from sluice.bench.served import twin_model
 
     lat: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "e2e": []}
                                               for m in ("at_least_once", "exactly_once")}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import ScenarioResult
+from sluice.bench.harness import ScenarioResult
 
 
 class PlotUnavailableError(RuntimeError):

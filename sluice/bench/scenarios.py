@@ -13,22 +13,29 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.components import (
+from sluice.bench.components import (
     add_serving_goals,
     bench_adapters_scenario,
     bench_deadlines_scenario,
     bench_runtime_scenario,
 )
-from benchmarks.harness import ScenarioResult
-from benchmarks.sessions import bench_sessions
+from sluice.bench.harness import ScenarioResult
+from sluice.bench.sessions import bench_sessions
 
 LocalScenario = Callable[[str, bool], ScenarioResult]
+
+def _startup(device: str, quick: bool) -> ScenarioResult:
+    from sluice.bench.startup import bench_startup
+
+    return asyncio.run(bench_startup(device, quick))
+
 
 LOCAL: dict[str, LocalScenario] = {
     "runtime": bench_runtime_scenario,
     "adapters": bench_adapters_scenario,
     "sessions": bench_sessions,
     "deadlines": bench_deadlines_scenario,
+    "startup": _startup,  # worker processes of its own on the broker and database
 }
 BROKER = ("kafka", "bulk", "gateway")
 SCENARIOS = (*LOCAL, *BROKER)
@@ -39,10 +46,10 @@ TINY_SHAPE = ("sluice tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, inte
 async def _broker_scenarios(names: list[str], device: str, quick: bool,
                             on_done: Callable[[str, ScenarioResult], None]
                             ) -> dict[str, ScenarioResult]:
-    from benchmarks.gateway import bench_gateway
-    from benchmarks.kafka import bench_bulk, bench_kafka
-    from benchmarks.served import served_model
     from gpu_runtime.tiny import make_tiny_model
+    from sluice.bench.gateway import bench_gateway
+    from sluice.bench.kafka import bench_bulk, bench_kafka
+    from sluice.bench.served import served_model
 
     out: dict[str, ScenarioResult] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.batcher_bench import build_model
-from benchmarks.components import SMOLLM_LINEAR_PARAMS_PER_LAYER, SMOLLM_SHAPE
-from benchmarks.harness import (
+from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+from sluice.bench.batcher_bench import build_model
+from sluice.bench.components import SMOLLM_LINEAR_PARAMS_PER_LAYER, SMOLLM_SHAPE
+from sluice.bench.harness import (
     ScenarioResult,
     combined_flops,
     figure,
@@ -38,7 +39,6 @@ from benchmarks.harness import (
     ratio,
     sync_for,
 )
-from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
 
 HISTORY_TOKENS = 1000
 ANSWER_TOKENS = 16

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.harness import fmt_figure, walk_figures
+from sluice.bench.harness import fmt_figure, walk_figures
 
 
 def scenario_table(name: str, results: dict[str, Any]) -> Table:

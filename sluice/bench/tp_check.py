@@ -1,7 +1,7 @@
 """Tensor-parallel parity against Hugging Face transformers, on any device.
 
-    python -m benchmarks.tp_check --device cuda --tp 2     # NCCL, GPUs 0 and 1
-    python -m benchmarks.tp_check --device cpu --tp 2      # gloo (run by the tests)
+    python -m sluice.bench.tp_check --device cuda --tp 2     # NCCL, GPUs 0 and 1
+    python -m sluice.bench.tp_check --device cpu --tp 2      # gloo (run by the tests)
 
 Writes a tiny random Llama in a temporary directory — 6 query heads over 3 KV
 heads (tp=2 replicates KV heads) and an odd vocabulary — plus one PEFT LoRA
@@ -101,7 +101,7 @@ def run_check(device: str, tp: int, steps: int, tol: float, root: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tp_check")
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.tp_check")
     parser.add_argument("--device", default="cuda", help="cpu | cuda")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20, help="decode steps after the prompt")

@@ -1,4 +1,4 @@
-"""`sluice bench SCENARIO`: the benchmark harness (see benchmarks/)."""
+"""`sluice bench SCENARIO`: the harness in `sluice.bench` (tables: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import typer
 
 from sluice.cli.common import fail, friendly_errors
 
-CHOICES = ("runtime", "adapters", "sessions", "deadlines", "kafka", "bulk", "gateway", "all",
-           "gpu")
+CHOICES = ("runtime", "adapters", "sessions", "deadlines", "startup", "kafka", "bulk", "gateway",
+           "all", "gpu")
 
 
 def register(app: typer.Typer) -> None:
@@ -40,15 +40,15 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
         console = Console()
         if scenario == "gpu":
-            from benchmarks.gpu import print_gpu, run_gpu
+            from sluice.bench.gpu import print_gpu, run_gpu
 
             doc = run_gpu(device or "cuda", tiny=tiny)
             print_gpu(doc, console)
             results = None
         else:
-            from benchmarks.harness import document
-            from benchmarks.scenarios import failed_scenarios, run_scenarios
-            from benchmarks.table import print_document
+            from sluice.bench.harness import document
+            from sluice.bench.scenarios import failed_scenarios, run_scenarios
+            from sluice.bench.table import print_document
 
             def progress(name: str, result: object) -> None:
                 console.print(f"[dim]{name} done in {getattr(result, 'wall_s', 0):.1f} s[/]")
@@ -63,7 +63,7 @@ def register(app: typer.Typer) -> None:
         if plot_out is not None:
             if results is None:
                 raise fail("--plot is not available for the gpu scenario", 2)
-            from benchmarks.plot import PlotUnavailableError, render
+            from sluice.bench.plot import PlotUnavailableError, render
 
             try:
                 console.print(f"wrote {render(results, plot_out)}")

@@ -36,7 +36,12 @@ def register(app: typer.Typer) -> None:
         from infra.common import InfraConfig, default_cache_dir
         from sluice.demo import run_demo
 
-        setup_logging("WARNING")
+        workdir = workdir or default_cache_dir() / "demo"
+        workdir.mkdir(parents=True, exist_ok=True)
+        log_file = workdir / "demo.log"
+        # The output is the demo's own; the log (the Kafka client's retries while the
+        # broker elects leaders, say) goes to a file, errors but for those to stderr.
+        setup_logging("INFO", log_file=log_file)
         logging.getLogger("sluice").setLevel(logging.WARNING)
         console = Console()
         if not (os.environ.get("SLUICE_KAFKA_BOOTSTRAP") and os.environ.get("SLUICE_DATABASE_URL")):
@@ -45,6 +50,6 @@ def register(app: typer.Typer) -> None:
             console.print("starting the local Kafka broker and PostgreSQL ...")
             local.up(local.running_config(InfraConfig.from_env()))
         settings = Settings.load()
-        uvloop.run(run_demo(settings, workdir or default_cache_dir() / "demo",
-                            conversations=conversations, bulk_requests=bulk, console=console,
-                            real_model=real_model))
+        uvloop.run(run_demo(settings, workdir, conversations=conversations,
+                            bulk_requests=bulk, console=console, real_model=real_model))
+        console.print(f"[dim]log: {log_file}[/]")

@@ -141,12 +141,13 @@ def register(app: typer.Typer) -> None:
             "--all", help="Also workers not seen in the last minute.")] = False,
     ) -> None:
         """List workers by their heartbeats: where they run and when they were last seen."""
-        table = Table("instance", "model", "pool", "device", "memory GiB", "last seen", "live")
+        table = Table("instance", "model", "pool", "status", "device", "memory GiB",
+                      "process", "last seen", "live")
         with _client() as client:
             workers = [w for w in client.workers.list(model=model) if show_all or w.live]
         for w in workers:
-            table.add_row(w.instance_id, w.model, w.pool, w.device,
-                          f"{w.device_memory_bytes / 2**30:.1f}",
+            table.add_row(w.instance_id, w.model, w.pool, w.status, w.device,
+                          f"{w.device_memory_bytes / 2**30:.1f}", w.process,
                           w.last_seen.strftime("%Y-%m-%d %H:%M:%S"), "yes" if w.live else "no")
         Console().print(table)
         if not workers:

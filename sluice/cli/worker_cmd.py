@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from sluice.cli.common import friendly_errors
+from sluice.cli.common import fail, friendly_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -23,8 +24,9 @@ def register(app: typer.Typer) -> None:
         = None,
         device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
         tp: Annotated[int | None, typer.Option("--tp", help="Ranks per replica.")] = None,
-        replica: Annotated[int, typer.Option("--replica", help="Replica index on this host.")]
-        = 0,
+        replica: Annotated[int | None, typer.Option(
+            "--replica", min=0, help="Replica index on this host (default: the lowest one no "
+            "live worker of this pool holds). Two live workers never share one.")] = None,
         instance_id: Annotated[str | None, typer.Option(
             "--instance-id", help="Static group member id (default pool-host-replica).")] = None,
         max_batched_tokens: Annotated[int, typer.Option(
@@ -57,6 +59,7 @@ def register(app: typer.Typer) -> None:
 
         from common.logs import setup_logging
         from common.settings import Settings
+        from worker.identity import ReplicaTakenError
         from worker.worker import Worker, WorkerOptions
 
         setup_logging(log_level)
@@ -68,9 +71,11 @@ def register(app: typer.Typer) -> None:
                                 adapter_slots=adapter_slots, compile=compile_step,
                                 memory_budget_bytes=None if memory_budget_gib is None
                                 else int(memory_budget_gib * 2**30))
-        worker = Worker(settings, options)
         count = replicas if replicas is not None else _auto_replicas(settings, model, device, tp)
-        children = _spawn_other_replicas(count, replica)
+        if count > 1 and replica is None:  # several on one host: each its own GPUs, k*tp...
+            options = dataclasses.replace(options, replica=0)
+        worker = Worker(settings, options)
+        children = _spawn_other_replicas(count, options.replica or 0)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -80,6 +85,8 @@ def register(app: typer.Typer) -> None:
 
         try:
             uvloop.run(main())
+        except ReplicaTakenError as exc:
+            raise fail(str(exc), 2) from None
         finally:
             _stop_children(children)
         if worker.fatal is not None:

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import orjson
+from aiokafka import AIOKafkaConsumer
 
 from common.settings import Settings
+
+TERMINAL = {"done", "error", "timeout"}
 
 
 @dataclass
@@ -72,13 +78,15 @@ def settings_env(settings: Settings, pool: str = "default") -> dict[str, str]:
 
 @contextlib.contextmanager
 def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str = "default",
-                   replica: int = 0, extra: list[str] | None = None,
+                   replica: int | None = 0, extra: list[str] | None = None,
                    env: dict[str, str] | None = None) -> Iterator[WorkerProcess]:
+    """`sluice worker` as a subprocess (`replica=None`: without --replica)."""
     log_path = log_dir / f"worker-{pool}-{replica}-{time.monotonic_ns()}.log"
+    flags = [] if replica is None else ["--replica", str(replica)]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice", "worker", "--model", model, "--replica",
-             str(replica), *(extra or [])],
+            [sys.executable, "-m", "sluice", "worker", "--model", model, *flags,
+             *(extra or [])],
             env={**settings_env(settings, pool), **(env or {})}, stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -126,3 +134,36 @@ async def drop_schema(settings: Settings) -> None:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.db_schema}" CASCADE')
     finally:
         await conn.close()
+
+
+async def terminal_events(settings: Settings, topic: str, request_ids: set[str],
+                          timeout_s: float = 60, settle_s: float = 1.0) -> Counter[str]:
+    """Terminal events per request id seen by a `read_committed` reader of `topic` from
+    its start: until every id has one, then `settle_s` more (a duplicate would show)."""
+    attempts = await terminal_attempts(settings, topic, request_ids, timeout_s, settle_s)
+    return Counter({request_id: len(seen) for request_id, seen in attempts.items()})
+
+
+async def terminal_attempts(settings: Settings, topic: str, request_ids: set[str],
+                            timeout_s: float = 60, settle_s: float = 1.0
+                            ) -> dict[str, list[int]]:
+    """The attempt of each terminal event per request id, as `terminal_events` reads."""
+    consumer = AIOKafkaConsumer(topic, **settings.kafka_options(),
+                                auto_offset_reset="earliest", isolation_level="read_committed")
+    await consumer.start()
+    attempts: dict[str, list[int]] = {}
+    try:
+        async with asyncio.timeout(timeout_s):
+            settled_at: float | None = None
+            while settled_at is None or time.monotonic() < settled_at:
+                batch = await consumer.getmany(timeout_ms=200)
+                for record in (r for rs in batch.values() for r in rs):
+                    event = orjson.loads(record.value)
+                    if event.get("type") in TERMINAL and event["request_id"] in request_ids:
+                        attempts.setdefault(event["request_id"], []).append(
+                            event.get("attempt", 0))
+                if settled_at is None and request_ids <= attempts.keys():
+                    settled_at = time.monotonic() + settle_s
+    finally:
+        await consumer.stop()
+    return attempts

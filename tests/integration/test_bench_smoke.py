@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from benchmarks.harness import is_figure
+from sluice.bench.harness import is_figure
 from sluice.cli import bench_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -44,6 +44,8 @@ EXPECTED: dict[str, list[str]] = {
         "baseline_fcfs.throughput", "baseline_fcfs.interactive.timeouts",
         "fraction_of_limit.edf_throughput_of_matmul", "ratios.throughput_edf_over_fcfs",
     ],
+    "startup": ["import_torch_s", "tiny.eager.first_token_s", "tiny.eager.serving_after_s",
+                "tiny.eager.load_s"],
     "kafka": [
         "kafka_ttft.p50", "kafka_ttft.p99", "kafka_end_to_end.p50",
         "baseline_in_process_ttft.p50", "baseline_in_process_end_to_end.p99",

@@ -118,6 +118,48 @@ async def test_no_worker_means_a_client_deadline_not_a_hang(settings, tiny_model
         await drop_schema(settings)
 
 
+DOCUMENTED_USAGE = """
+import asyncio, os, sluice
+from sluice.errors import KafkaAccessError, RequestTimeoutError
+
+async def main():
+    async with sluice.Client() as client:
+        try:
+            await client.complete(model="tiny", api_key=os.environ["KEY"], prompt="hi",
+                                  timeout=1)
+        except RequestTimeoutError:
+            print("timed out")
+    try:
+        async with sluice.Client(kafka_bootstrap="127.0.0.1:1") as client:
+            await client.complete(model="tiny", prompt="hi", timeout=1)
+    except KafkaAccessError:
+        print("refused")
+
+asyncio.run(main())
+"""
+
+
+async def test_the_documented_usage_leaves_nothing_unclosed(settings, tiny_model) -> None:
+    """`async with sluice.Client()` as the README shows it, answered or refused at login:
+    no "Unclosed AIOKafkaProducer/Consumer" lines (aiokafka's warnings of clients left
+    open) at exit."""
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(tiny_model))
+    key = client.keys.create(tenant="acme")
+    client.close()
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-X", "dev", "-c", DOCUMENTED_USAGE],
+            env={**settings_env(settings), "KEY": key, "SLUICE_CLIENT__TIMEOUT_SECS": "5"},
+            capture_output=True, text=True, timeout=120)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output
+        assert result.stdout.split() == ["timed", "out", "refused"], output
+        assert "Unclosed" not in output and "never awaited" not in output, output
+    finally:
+        await drop_schema(settings)
+
+
 async def test_removing_a_model(settings, tiny_model) -> None:
     from common.topics import TopicAdmin
 

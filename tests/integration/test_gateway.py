@@ -27,6 +27,18 @@ from tests.integration.pipeline_helpers import (
 pytestmark = [pytest.mark.integration]
 
 
+def _get(port: int, path: str) -> tuple[int, dict]:
+    """(status, JSON body) of a GET to the gateway."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def _runtime_logprobs(model_dir, prompt: list[int], num: int) -> list[float]:
     """Greedy tokens' log probabilities from an in-process runtime's own logits."""
     import torch
@@ -157,8 +169,12 @@ async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path)
                         "type": "json_schema", "json_schema": {"name": "x", "schema": {
                             "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}})
 
-            models = {m.id for m in (await api.models.list()).data}
-            assert models == {"tiny", "tiny:a0"}
+            listed = (await api.models.list()).data
+            assert {m.id for m in listed} == {"tiny", "tiny:a0"}
+            assert all(m.created > 1_700_000_000 and m.ready for m in listed)
+            status, ready = await asyncio.to_thread(_get, port, "/ready")
+            assert status == 200 and ready["models"]["tiny"]["ready"]  # from its heartbeat
+            assert (await asyncio.to_thread(_get, port, "/ready?model=ghost"))[0] == 503
             adapted = await api.chat.completions.create(model="tiny:a0", messages=messages,
                                                         max_completion_tokens=12, temperature=0)
             assert adapted.choices[0].message.content

@@ -14,25 +14,18 @@ import asyncio
 import signal
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
-import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer
 
 import sluice
-from common.settings import Settings
 from gpu_runtime import Runtime, StepOutput, StepPlan
 from gpu_runtime.tiny import make_tiny_model
 from schemas import DoneEvent, TokenEvent
-from tests.integration.pipeline_helpers import drop_schema, worker_process
+from tests.integration.pipeline_helpers import drop_schema, terminal_events, worker_process
 from worker.worker import Worker, WorkerOptions
 
 pytestmark = [pytest.mark.integration]
-
-TERMINAL = {"done", "error", "timeout"}
-
 
 class GatedRuntime(Runtime):
     """The real runtime, each step held until `gate` is open and slowed by `delay_s`,
@@ -45,30 +38,6 @@ class GatedRuntime(Runtime):
         type(self).gate.wait(30)
         time.sleep(type(self).delay_s)
         return super().execute(plan)
-
-
-async def terminal_events(settings: Settings, topic: str, request_ids: set[str],
-                          timeout_s: float = 60, settle_s: float = 1.0) -> Counter[str]:
-    """Terminal events per request id seen by a `read_committed` reader of `topic` from
-    its start: until every id has one, then `settle_s` more (a duplicate would show)."""
-    consumer = AIOKafkaConsumer(topic, **settings.kafka_options(),
-                                auto_offset_reset="earliest", isolation_level="read_committed")
-    await consumer.start()
-    counts: Counter[str] = Counter()
-    try:
-        async with asyncio.timeout(timeout_s):
-            settled_at: float | None = None
-            while settled_at is None or time.monotonic() < settled_at:
-                batch = await consumer.getmany(timeout_ms=200)
-                for record in (r for rs in batch.values() for r in rs):
-                    event = orjson.loads(record.value)
-                    if event.get("type") in TERMINAL and event["request_id"] in request_ids:
-                        counts[event["request_id"]] += 1
-                if settled_at is None and request_ids <= counts.keys():
-                    settled_at = time.monotonic() + settle_s
-    finally:
-        await consumer.stop()
-    return counts
 
 
 async def test_cancel_running_queued_finished_and_foreign(settings, tmp_path) -> None:

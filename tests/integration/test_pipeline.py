@@ -127,6 +127,10 @@ async def test_bad_requests_get_clear_answers(settings, tiny_model, tmp_path) ->
             assert await code_of(api_key=key, prompt="hi", adapter="ghost") == "unknown_adapter"
             assert await code_of(api_key=key, prompt_token_ids=[1, 999_999]) == "invalid_request"
             assert await code_of(api_key=key, prompt_token_ids=[5] * 3000) == "context_too_long"
+            # The prompt fits, prompt + max_tokens does not: refused, never cut short.
+            with pytest.raises(RequestError, match=r"1000 tokens and max_tokens=1500 make 2500"):
+                await asyncio.wait_for(client.complete(
+                    model="tiny", api_key=key, prompt_token_ids=[5] * 1000, max_tokens=1500), 60)
 
             # Malformed bytes go to the dead-letter topic; fields that parse but are
             # wrong get an `invalid_request` event on the reply topic.
@@ -503,18 +507,28 @@ async def test_adapters_through_kafka_match_the_runtime_alone(settings, tiny_mod
 async def test_a_compiled_worker_answers_as_the_eager_runtime(settings, tiny_model,
                                                               tmp_path) -> None:
     """compute_config compile=True (the suite's SLUICE_COMPILE=0 cleared): the worker
-    compiles its decode step before serving, and its answers equal eager ones."""
+    serves at once with eager steps, builds the compiled step behind, says so in its
+    log and heartbeat, and its answers before and after equal the eager runtime's."""
     from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
 
     client, key = _setup(settings, tiny_model, compile=True)
     prompts = [[5, 17, 33, 42, 8, 99], [7] * 20, list(range(3, 40)), [11, 12]]
+
+    async def answers() -> list[DoneEvent]:
+        return await asyncio.wait_for(asyncio.gather(*(
+            client.complete(model="tiny", api_key=key, max_tokens=24, prompt_token_ids=p)
+            for p in prompts)), 180)
+
     try:
         with worker_process(settings, "tiny", tmp_path, env={"SLUICE_COMPILE": ""}) as worker:
-            results = await asyncio.wait_for(asyncio.gather(*(
-                client.complete(model="tiny", api_key=key, max_tokens=24, prompt_token_ids=p)
-                for p in prompts)), 180)
-            assert "compiled the decode step of tiny in" in worker.log(), worker.log()
-            assert "eager steps" not in worker.log()
+            first = await answers()  # the first answers do not wait for the compiler
+            worker.wait_for_log("compiled the decode step of tiny in", 300)
+            log = worker.log_path.read_text(errors="replace")
+            assert log.index("serving tiny as") < log.index("compiled the decode step")
+            assert "eager steps" not in log
+            statuses = {w.status for w in client.workers.list(model="tiny") if w.live}
+            assert statuses == {"serving (compiled)"}, statuses
+            results = await answers()
     finally:
         await client.aclose()
         await drop_schema(settings)
@@ -527,5 +541,5 @@ async def test_a_compiled_worker_answers_as_the_eager_runtime(settings, tiny_mod
         step = rt.execute(StepPlan({s: q.num_uncomputed for s, q in rt.sequences.items()}))
         for o in step.outputs:
             expected[o.seq_id].append(o.token_id)
-    for i, done in enumerate(results):
-        assert done.token_ids == expected[f"x{i}"], i
+    for i, (done, before) in enumerate(zip(results, first, strict=True)):
+        assert done.token_ids == before.token_ids == expected[f"x{i}"], i

@@ -51,6 +51,7 @@ def test_fp8_compiled_equals_fp8_eager(tmp_path):
     path, _ = make_hf_checkpoint(tmp_path, seed=3)
     eager = ragged_run(make_runtime(path, quantization="fp8"))
     rt = make_runtime(path, quantization="fp8", compile=True)
+    assert rt.warm_up() is not None
     compiled = ragged_run(rt)
     assert rt.compile_failure is None and rt.runner.compiled.compiled_steps > 10
     assert compiled[0] == eager[0]
@@ -59,7 +60,17 @@ def test_fp8_compiled_equals_fp8_eager(tmp_path):
         assert diff <= TOL, f"{s}: max abs diff {diff}"
 
 
-def test_a_compiler_failure_falls_back_to_eager_and_says_so(tmp_path, caplog):
+def test_steps_stay_eager_until_the_warm_up_has_compiled(tmp_path):
+    """Nothing compiles on a live step: before `warm_up` every step is eager."""
+    path, _ = make_hf_checkpoint(tmp_path, seed=5)
+    expected = ragged_run(make_runtime(path))
+    rt = make_runtime(path, compile=True)
+    got = ragged_run(rt)
+    assert got[0] == expected[0]
+    assert rt.runner.compiled.compiled_steps == 0 and not rt.compiled_ready
+
+
+def test_a_compiler_failure_at_warm_up_leaves_eager_steps_and_says_so(tmp_path, caplog):
     path, _ = make_hf_checkpoint(tmp_path, seed=5)
     expected = ragged_run(make_runtime(path))
 
@@ -69,9 +80,35 @@ def test_a_compiler_failure_falls_back_to_eager_and_says_so(tmp_path, caplog):
     rt = make_runtime(path, compile=True)
     rt.runner.compiled = rt.runner.step = CompiledStep(rt.model.forward, backend=broken_backend)
     with caplog.at_level(logging.ERROR, logger="gpu_runtime.compiled"):
+        assert rt.warm_up() is None
+        got = ragged_run(rt)
+    assert got[0] == expected[0]
+    assert "this compiler is broken" in rt.compile_failure and not rt.compiled_ready
+    assert rt.runner.compiled.compiled_steps == 0
+    assert any("steps eagerly from now on" in r.getMessage() and r.exc_info
+               for r in caplog.records)
+
+
+def test_a_compiled_step_that_fails_live_is_recomputed_eagerly(tmp_path, caplog):
+    path, _ = make_hf_checkpoint(tmp_path, seed=5)
+    expected = ragged_run(make_runtime(path))
+    calls = []
+
+    def failing_later(graph, example_inputs):
+        def run(*args):
+            calls.append(1)
+            if len(calls) > 4:  # the warm-up's two graphs and two live steps work
+                raise RuntimeError("this compiled graph broke")
+            return graph(*args)
+        return run
+
+    rt = make_runtime(path, compile=True)
+    rt.runner.compiled = rt.runner.step = CompiledStep(rt.model.forward, backend=failing_later)
+    assert rt.warm_up() is not None
+    with caplog.at_level(logging.ERROR, logger="gpu_runtime.compiled"):
         got = ragged_run(rt)
     assert got[0] == expected[0]  # every token served, the failed step recomputed eagerly
-    assert "this compiler is broken" in rt.compile_failure
-    assert rt.runner.compiled.compiled_steps == 0
+    assert "this compiled graph broke" in rt.compile_failure
+    assert rt.runner.compiled.compiled_steps == 4
     assert any("steps eagerly from now on" in r.getMessage() and r.exc_info
                for r in caplog.records)

@@ -187,7 +187,7 @@ def test_generate_tp2_equals_tp1(tmp_path):
 
 
 def test_tp_check_cpu_gloo_path(capsys):
-    from benchmarks.tp_check import main
+    from sluice.bench.tp_check import main
 
     assert main(["--device", "cpu", "--tp", "2", "--steps", "5"]) == 0
     assert capsys.readouterr().out.strip().endswith("OK")

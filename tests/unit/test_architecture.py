@@ -7,10 +7,12 @@ under TYPE_CHECKING count too: a circle is a circle however it is spelled).
     layer 2   batcher/  ingest/  results/      the data plane's rooms, side by side
     layer 3   worker/                          the one assembler of layer 2
     layer 4   sluice/ (SDK, control plane)     the public face
-    layer 5   benchmarks/                      the harness (uses the SDK and a worker)
+    layer 5   sluice.bench                     the harness (uses the SDK and a worker)
     layer 6   sluice.cli (and sluice.__main__) the command line, outermost
 
 A room may import rooms of lower layers only: never one beside it, never one above.
+Top-level packages never import each other in a circle either (`sluice` holds
+layers 4-6, so the harness lives inside it, below the command line that runs it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ LAYERS: dict[str, int] = {
     "batcher": 2, "ingest": 2, "results": 2,
     "worker": 3,
     "sluice": 4,
-    "benchmarks": 5,
+    "sluice.bench": 5,
     "sluice.cli": 6,
 }
 # Modules that belong to another room than their package's.
@@ -94,7 +96,22 @@ def test_every_import_between_rooms_runs_downward() -> None:
 
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
-    edges = graph()
+    circles = circles_in(graph())
+    assert not circles, f"modules importing each other in a circle: {circles}"
+
+
+def test_no_top_level_packages_import_each_other_in_a_circle() -> None:
+    """`sluice` -> `benchmarks` -> `sluice` was one: a package's rooms may not reach a
+    package that reaches back, even when each room's own arrow runs downward."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        top = module.split(".")[0]
+        packages.setdefault(top, set()).update(t.split(".")[0] for t in targets)
+    edges = {top: targets - {top} for top, targets in packages.items()}
+    assert not circles_in(edges), f"packages importing each other: {circles_in(edges)}"
+
+
+def circles_in(edges: dict[str, set[str]]) -> list[list[str]]:
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -125,7 +142,7 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
     for node in edges:
         if node not in index:
             visit(node)
-    assert not circles, f"modules importing each other in a circle: {circles}"
+    return circles
 
 
 def test_the_rule_sees_a_wrong_import() -> None:

@@ -59,12 +59,42 @@ def test_records_left_by_a_crashed_owner_get_the_next_attempt() -> None:
     assert tracker.start("p0", 8) == 1
     assert tracker.start("p0", 9) == 1
     assert tracker.start("p0", 10) == 0
-    assert tracker.commit_point("p0") == (8, "h=10;a=0")
+    # a = the highest attempt used here: the next owner serves 8-10 as attempt 2
+    assert tracker.commit_point("p0") == (8, "h=10;a=1")
 
     again = OffsetTracker()
     again.assign("p0", "h=9;a=1")  # crashed twice
     assert again.start("p0", 9) == 2
     assert again.commit_point("p0") == (9, "h=9;a=2")
+
+
+def test_records_up_to_the_end_at_assignment_get_the_next_attempt() -> None:
+    """The last owner may have started records after its last commit (h): every record
+    that existed when the partition was assigned is served with a new attempt."""
+    tracker = OffsetTracker()
+    tracker.assign("p0", "h=9;a=0", end_offset=14)
+    assert [tracker.start("p0", o) for o in (9, 12, 13, 14)] == [1, 1, 1, 0]
+    first = OffsetTracker()
+    first.assign("p0", None, end_offset=14)  # never committed: nobody served it before
+    assert first.start("p0", 3) == 0
+
+
+def test_epochs_say_whose_work_may_go_on() -> None:
+    tracker = OffsetTracker()
+    old = tracker.assign("p0", None)
+    assert tracker.epoch("p0") == old and tracker.owns("p0", old)
+    tracker.close("p0")  # being handed over: no new work, but what it holds may finish
+    assert not tracker.owns("p0", old) and tracker.holds("p0", old)
+    assert tracker.epoch("p0") is None
+    tracker.silence("p0")  # handed over: nothing more is answered, the commit point stays
+    assert not tracker.holds("p0", old) and tracker.commit_point("p0") is None
+    tracker.start("p0", 4)
+    assert tracker.commit_point("p0") == (4, "h=4;a=0")
+    tracker.revoke("p0")
+    assert not tracker.holds("p0", old)
+    new = tracker.assign("p0", None)  # assigned again: the old epoch's work is stale
+    assert new != old and tracker.owns("p0", new)
+    assert not tracker.owns("p0", old) and not tracker.holds("p0", old)
 
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=60, unique=True), st.randoms())

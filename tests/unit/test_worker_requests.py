@@ -145,8 +145,9 @@ def test_who_decides_whether_a_worker_compiles(monkeypatch):
                                compute_config={"compile": compile})
 
     cpu, gpu = WorkerOptions(model="tiny"), WorkerOptions(model="tiny", device="cuda")
-    assert cpu.runtime_config(dep(None)).compile is True
+    assert cpu.runtime_config(dep(None)).compile is False  # measured: not worth its cost
     assert gpu.runtime_config(dep(None)).compile is False
+    assert cpu.runtime_config(dep(True)).compile is True
     assert gpu.runtime_config(dep(True)).compile is True
     assert cpu.runtime_config(dep(False)).compile is False
     assert cpu.runtime_config(dep(True), host_compile=False).compile is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpu_runtime import (
@@ -64,6 +66,14 @@ def test_rejections_carry_codes_and_leave_others_intact(path):
 
 
 def test_generation_stops_at_context_limit(path):
+    """A default max_tokens gets the room left; one asked for that does not fit is
+    refused, naming both numbers and the limit — never cut short in silence."""
     rt = make_runtime(path, max_model_len=40)
-    tokens, _ = run_to_completion(rt, {"a": list(range(3, 33))}, params=greedy(100))
+    default = dataclasses.replace(greedy(100), max_tokens_asked=False)
+    tokens, _ = run_to_completion(rt, {"a": list(range(3, 33))}, params=default)
     assert len(tokens["a"]) == 10  # 30 prompt + 10 generated = max_model_len
+    with pytest.raises(ContextTooLongError, match=r"30 tokens and max_tokens=100 make 130 "
+                       r"tokens, beyond this model's context of 40 tokens") as err:
+        rt.add_sequence("b", list(range(3, 33)), greedy(100))
+    assert err.value.code == "context_too_long" and not rt.sequences
+    rt.add_sequence("c", list(range(3, 33)), greedy(10))  # exactly fits
