@@ -164,3 +164,26 @@ async def partitions_of(client_of: object, topic: str) -> set[int]:
             raise error(topic)
         return {partition[1] for partition in partitions}
     return set()
+
+
+async def committed_of(client_of: object, group_id: str, topic: str,
+                       partition: int) -> tuple[int, str] | None:
+    """(offset, metadata) that consumer group `group_id` committed for a partition, asked
+    of its coordinator through an aiokafka client already connected (a producer's, a
+    consumer's); None when it committed nothing. Raises what the broker answers (e.g.
+    GroupAuthorizationFailedError for a principal that may not describe the group)."""
+    from aiokafka.protocol.commit import OffsetFetchRequest
+
+    client = getattr(client_of, "client", None) or client_of._client  # type: ignore[attr-defined]
+    node = await client.coordinator_lookup(0, group_id)  # 0: a consumer group
+    response = await client.send(node, OffsetFetchRequest(group_id, [(topic, [partition])]))
+    top_error = getattr(response, "error_code", 0)
+    if top_error:
+        raise for_code(top_error)(f"committed offsets of group {group_id}")
+    for name, partitions in response.topics:
+        for number, offset, metadata, error_code in partitions:
+            if name == topic and number == partition:
+                if error_code:
+                    raise for_code(error_code)(f"committed offset of {topic}/{partition}")
+                return None if offset < 0 else (offset, metadata or "")
+    return None

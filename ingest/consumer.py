@@ -37,6 +37,10 @@ from ingest.verdicts import Cancel, DeadLettered, IngestOptions, Route
 log = logging.getLogger(__name__)
 
 OnRevoked = Callable[[list[TopicPartition]], Awaitable[None]]
+# Partitions just assigned, for their owner to take over before they are read
+# (exactly-once: fencing their earlier owners), and then to `start_partitions`.
+# Called in the rebalance listener: it must not wait (see `on_assigned`).
+DeferAssignment = Callable[[list[TopicPartition], int], None]
 
 
 class Committer(Protocol):
@@ -63,6 +67,10 @@ class RequestIngest:
         self.tracker = tracker
         self._route = route
         self._revoked_hook = on_revoked
+        # Exactly-once: assigned partitions are taken over first (see `on_assigned`).
+        self.defer_assignment: DeferAssignment | None = None
+        self._not_started: set[TopicPartition] = set()  # assigned, not yet taken over
+        self.assignments = 0  # rebalances seen: a take-over of an older one is stale
         self.audit = audit or PartitionAudit()
         self.consumer = AIOKafkaConsumer(
             **options.kafka_options, group_id=options.group_id,
@@ -122,21 +130,65 @@ class RequestIngest:
         await self.consumer.stop()
 
     async def on_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.assignments += 1
         if not assigned:
+            return
+        if self.defer_assignment is not None:
+            # Paused until taken over. Not awaited here: opening producers inside the
+            # rebalance listener stalled the consumer (it fetched nothing afterwards).
+            self.consumer.pause(*assigned)
+            self._not_started.update(assigned)
+            self.defer_assignment(list(assigned), self.assignments)
+            return
+        await self.start_partitions(list(assigned), self.assignments)
+
+    async def start_partitions(self, tps: list[TopicPartition], assignment: int) -> None:
+        """Read `tps`' committed offsets and metadata and serve them from there — unless
+        a later rebalance came first (then that one's start will). After a deferred
+        take-over, the consumer is moved to those offsets: it may have read older ones,
+        before the fence resolved an earlier owner's last transaction."""
+        if assignment != self.assignments:
+            return
+        tps = [tp for tp in tps if tp in self.consumer.assignment()]
+        if not tps:
             return
         # aiokafka's public `committed()` drops the metadata we need; ask the coordinator
         # directly for offset + metadata. The ends: records the last owner may have read.
-        committed = await self.consumer._coordinator.fetch_committed_offsets(list(assigned))
-        ends = await self.consumer.end_offsets(list(assigned))
-        for tp in assigned:
+        committed = await self.consumer._coordinator.fetch_committed_offsets(tps)
+        ends = await self.consumer.end_offsets(tps)
+        if assignment != self.assignments:
+            return
+        deferred = [tp for tp in tps if tp in self._not_started]
+        for tp in tps:
             meta = committed.get(tp)
+            offset = meta.offset if meta is not None and meta.offset >= 0 else None
             self.tracker.assign(tp, meta.metadata if meta is not None else None, ends.get(tp))
-            self.fetcher.assigned(tp, meta.offset if meta is not None and meta.offset >= 0
-                                  else None)
+            self.fetcher.assigned(tp, offset)
+            if tp in self._not_started:
+                if offset is None:
+                    await self.consumer.seek_to_beginning(tp)
+                else:
+                    self.consumer.seek(tp, offset)
             log.info("assigned partition %d (committed %s, end %s)", tp.partition,
                      None if meta is None else f"{meta.offset} {meta.metadata}", ends.get(tp))
+        self._not_started.difference_update(tps)
+        if deferred:
+            self.consumer.resume(*deferred)
+
+    def pause_all(self, paused: bool) -> None:
+        """Backpressure: pause every partition, or resume those that are started."""
+        consumer = self.consumer
+        if paused:
+            unpaused = consumer.assignment() - consumer.paused()
+            if unpaused:
+                consumer.pause(*unpaused)
+        else:
+            ready = consumer.paused() - self._not_started
+            if ready:
+                consumer.resume(*ready)
 
     async def on_revoked(self, revoked: list[TopicPartition]) -> None:
+        self._not_started.difference_update(revoked)
         for tp in revoked:  # records being judged now are dropped, not served
             self.tracker.close(tp)
         await self._revoked_hook(revoked)

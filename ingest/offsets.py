@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import re
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 _META_RE = re.compile(r"^h=(-?\d+);a=(\d+)(?:;u=([\d,-]*))?$")
 # Kafka's default offset.metadata.max.bytes is 4096; stay well under it.
@@ -145,6 +148,9 @@ class OffsetTracker:
         while part.heap and part.heap[0] not in part.in_flight:
             heapq.heappop(part.heap)
         offset = part.heap[0] if part.heap else part.next_offset
+        if part.committed is not None and offset < part.committed[0]:
+            log.error("the commit point of %s went back from %d to %d (a record below it "
+                      "was started again)", tp, part.committed[0], offset)
         highest_started = part.next_offset - 1
         # The highest attempt this owner used: the next one serves everything up to h
         # with one more, so no two owners ever share an attempt number for a record.

@@ -35,6 +35,7 @@ from aiokafka.errors import KafkaError, KafkaTimeoutError
 from common.timeouts import within
 from results.inflight import InFlight
 from results.producer import ProducerPort, TransactionsFailed
+from results.transactions import PartitionTransactions
 from results.translate import WireRecord
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,12 @@ Undeliverable = Callable[[InFlight, str], WireRecord]
 class Delivery:
     def __init__(self, producer: ProducerPort, on_finished: OnFinished,
                  undeliverable: Undeliverable,
-                 on_dead_letter: Callable[[], None] | None = None,
-                 stream_producer: ProducerPort | None = None):
+                 on_dead_letter: Callable[[], None] | None = None):
+        # Token events always, and the records that end requests in at-least-once mode.
         self._producer = producer
-        # Token events: the same producer, or (exactly-once delivery, where `producer`
-        # is transactional) a plain one, so tokens never wait for a transaction.
-        self._stream_producer = stream_producer or producer
+        # Exactly-once: the records that end a request go into its partition's
+        # transaction (`results.transactions`); tokens never wait for one.
+        self._transactions: PartitionTransactions | None = None
         self._on_finished = on_finished
         self._undeliverable_record = undeliverable
         self._on_dead_letter = on_dead_letter
@@ -75,31 +76,28 @@ class Delivery:
 
     async def start(self) -> None:
         await self._producer.start()
-        if self._stream_producer is not self._producer:
-            await self._stream_producer.start()
 
     async def stop(self) -> None:
         self._closing = True  # terminal events still being retried stop at their next try
         await self.flush()
         await self._producer.stop()
-        if self._stream_producer is not self._producer:
-            await self._stream_producer.stop()
 
-    async def use_producer(self, producer: ProducerPort) -> ProducerPort:
-        """Write terminal records through `producer` (started) from now on; returns the
-        one it replaces, for the caller to stop unless it still writes token events.
-        Only between requests: after a drain, everything flushed and committed."""
+    async def use_transactions(self, transactions: PartitionTransactions | None) -> None:
+        """Exactly-once (the partitions' transactions) or at-least-once (None) from now
+        on. Only between requests: after a drain, everything flushed and committed."""
         await self.flush()
-        old, self._producer = self._producer, producer
-        return old
+        self._transactions = transactions
 
     @property
-    def producer(self) -> ProducerPort:
-        return self._producer
+    def transactions(self) -> PartitionTransactions | None:
+        return self._transactions
 
-    @property
-    def stream_producer(self) -> ProducerPort:
-        return self._stream_producer
+    def _ending(self, tp: Any) -> ProducerPort:
+        """The producer of the records that end a request read from `tp`; raises
+        PartitionNotHeld (exactly-once) when this worker no longer owns `tp`."""
+        if self._transactions is None:
+            return self._producer
+        return self._transactions.port(tp)
 
     async def flush(self) -> None:
         """Wait until every record sent so far is acknowledged or has failed (and any
@@ -113,11 +111,12 @@ class Delivery:
 
     # ---- the three kinds ----------------------------------------------------------------
 
-    async def best_effort(self, record: WireRecord, *, stream: bool = True) -> None:
-        """A record nothing waits for: a token event (`stream`), or a log record that
-        goes with the terminal events (in their transaction, if any)."""
-        producer = self._stream_producer if stream else self._producer
+    async def best_effort(self, record: WireRecord, *, tp: Any = None) -> None:
+        """A record nothing waits for: a token event, or (with `tp`, the partition of the
+        request it is about) a log record that goes with the terminal events, in their
+        transaction if any."""
         try:
+            producer = self._producer if tp is None else self._ending(tp)
             if not await self._topic_ready(record.topic, producer):
                 raise KafkaTimeoutError(
                     f"no metadata for {record.topic!r} within {METADATA_WAIT_S} s")
@@ -140,7 +139,7 @@ class Delivery:
         """Write `record`; finish `offset` of `tp` once it is acknowledged. A record the
         producer will not take yet is tried again in the background."""
         try:
-            future = await self._producer.send(record.topic, record.value, record.key)
+            future = await self._ending(tp).send(record.topic, record.value, record.key)
         except KafkaError as exc:
             if self._closing or tries_left <= 1 or not retriable(exc) or isinstance(
                     exc, TransactionsFailed):
@@ -168,9 +167,10 @@ class Delivery:
         in the background, as long as the producer does (its request timeout), so an
         outage is waited out."""
         try:
-            if not in_background and not await self._topic_ready(record.topic):
+            producer = self._ending(ctx.topic_partition)
+            if not in_background and not await self._topic_ready(record.topic, producer):
                 raise KafkaTimeoutError(f"no metadata for {record.topic!r} yet")
-            future = await self._producer.send(record.topic, record.value, record.key)
+            future = await producer.send(record.topic, record.value, record.key)
         except KafkaError as exc:  # the producer would not take it (no topic metadata, ...)
             if self._closing or isinstance(exc, TransactionsFailed):
                 log.error("terminal event for offset %s of %s not sent (%s); it stays "
@@ -214,7 +214,8 @@ class Delivery:
         if self._on_dead_letter is not None:
             self._on_dead_letter()
         try:
-            future = await self._producer.send(record.topic, record.value, record.key)
+            future = await self._ending(ctx.topic_partition).send(record.topic, record.value,
+                                                                   record.key)
         except KafkaError as dlq_exc:
             log.error("dead-lettering offset %s of %s failed too (%s); it stays unfinished",
                       ctx.offset, ctx.topic_partition, dlq_exc)

@@ -2,26 +2,38 @@
 
 With a model's `delivery: exactly_once`, a worker writes every record that
 ends a request — `done`, `error`, `timeout`, dead letters, the timeouts log —
-through one transactional producer, and commits its request offsets only in
+through a transactional producer, and commits its request offsets only in
 those transactions (consume–process–produce). A `read_committed` reader of a
-reply topic then sees each request's terminal event once: a worker killed
-mid-transaction leaves an open transaction that the broker aborts (at once
-when the replica restarts under its stable transactional id, which also fences
-the dead one's producer; else after TRANSACTION_TIMEOUT_MS), and its requests,
-uncommitted, are served again. Token events go through a plain producer,
-outside any transaction, so streaming stays live.
+reply topic then sees each request's terminal event once. Token events go
+through a plain producer, outside any transaction, so streaming stays live.
+
+**Zombies are fenced by the broker: one transactional id per input partition**
+(`<group>.partition-<n>`, the scheme Kafka Streams used before KIP-447). When
+a partition is assigned, its new owner initializes that id *before* it reads
+the partition's committed offsets: the transaction coordinator aborts whatever
+an earlier holder left open — a dead owner, or a paused one the group gave up
+on — and bumps the id's epoch, so that holder's later sends, offset commits
+and transaction commits all fail (ProducerFenced): a woken zombie can neither
+commit a duplicate answer nor move the partition's committed offset backwards
+(aiokafka sends TxnOffsetCommit v0, which carries no group generation, so the
+group coordinator cannot refuse a stale one; the producer epoch can). After
+that, no transaction of that id is pending, so the offsets the new owner reads
+are stable. Each transaction holds one partition's answers and offsets.
+
+Why this scheme and not KIP-447 (one producer per worker, fenced by the
+consumer group's generation): that needs TxnOffsetCommit v3 and OffsetFetch v7
+with `require_stable`, neither of which aiokafka speaks. The cost, measured in
+`sluice bench kafka`: a producer per assigned partition, and a transaction per
+active partition per commit (README, "What exactly-once costs").
 
 Transactions are group commits: the first record opens one, and
-`TransactionCommitter` closes it 2-10 ms later (LINGER_*) (or when asked: a revocation, a
-drain) with every record sent meanwhile — and under load, every request that
-ended while the previous commit was in flight — so a transaction stays open
-only milliseconds and a `read_committed` reader's view of a reply partition
-(its last stable offset) is held back only that long. Commit points that moved
-without a record (a cancel, records started) are committed every
-OFFSETS_INTERVAL_S. Any failure of a
-transaction (fenced by a newer replica, a record refused) is fatal to the
-worker: it stops (exit code 3) without committing, and whatever the failed
-transaction held is served again by the next owner.
+`TransactionCommitter` closes every partition's open transaction 2-10 ms later
+(LINGER_*), concurrently (or when asked: a revocation, a drain). Commit points
+that moved without a record are committed every OFFSETS_INTERVAL_S. A fenced
+partition is reported (`on_lost`): the worker drops it — its new owner serves
+its requests — and goes on with the others. Any other failure of a
+transaction (a record refused) is fatal to the worker: it stops (exit code 3)
+without committing, and the next owner serves again what it held.
 """
 
 from __future__ import annotations
@@ -31,10 +43,11 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import InvalidProducerEpoch, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata
 
 from common.timeouts import within
@@ -54,9 +67,20 @@ OFFSETS_INTERVAL_S = 0.1
 # An open transaction lives milliseconds; one older than this was left by a worker
 # that died (or stalled), and the broker aborts it so reply partitions move on.
 TRANSACTION_TIMEOUT_MS = 15_000
+FENCED = (ProducerFenced, InvalidProducerEpoch)
 
 PendingOffsets = Callable[[], dict[Any, tuple[int, str]]]
 Committed = Callable[[dict[Any, tuple[int, str]]], None]
+# (partition, why): another worker took the partition's transactional id over.
+OnLost = Callable[[Any, str], None]
+
+
+class PartitionFenced(TransactionsFailed):
+    """The partition's transactional id was taken over: another worker owns it now."""
+
+
+class PartitionNotHeld(TransactionsFailed):
+    """No transaction is open for the record's partition: this worker no longer owns it."""
 
 
 class TransactionalProducerPort:
@@ -64,26 +88,36 @@ class TransactionalProducerPort:
     one if none is)."""
 
     def __init__(self, options: Mapping[str, Any], request_timeout_s: float,
-                 transactional_id: str):
+                 transactional_id: str, has_records: asyncio.Event | None = None):
         self.transactional_id = transactional_id
         self.producer = AIOKafkaProducer(
             **options, transactional_id=transactional_id, enable_idempotence=True,
             acks="all", linger_ms=1, request_timeout_ms=int(request_timeout_s * 1000),
             max_request_size=8 * 1024 * 1024, transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
         )
+        self._request_timeout_s = request_timeout_s
         # Held while a transaction is being committed: no record may slip into it then.
         self.gate = asyncio.Lock()
         self.in_transaction = False
         self.sent: list[asyncio.Future[Any]] = []  # the records of the open transaction
         self.failure: BaseException | None = None
-        self.has_records = asyncio.Event()  # the open transaction holds a record
+        # Set when the open transaction holds a record (shared by a worker's ports).
+        self.has_records = has_records or asyncio.Event()
+        self.num_records = 0  # in the open transaction
         # Records sent while a commit held the gate: (topic, value, key, their future).
         self.waiting: list[tuple[str, bytes, bytes | None, asyncio.Future[Any]]] = []
 
     async def start(self) -> None:
-        # Registers the transactional id: the broker aborts what an earlier holder of
-        # it left open, and fences that producer for good.
+        """Register the transactional id, and wait until the broker has: it aborts what
+        an earlier holder of the id left open, and fences that producer for good.
+        (aiokafka's `start` returns before the id is registered.)"""
         await self.producer.start()
+        try:
+            await within(self._request_timeout_s,
+                         self.producer._txn_manager.wait_for_pid())  # type: ignore[union-attr]
+        except BaseException:
+            await self.producer.stop()
+            raise
 
     async def stop(self) -> None:
         await self.producer.stop()
@@ -101,6 +135,7 @@ class TransactionalProducerPort:
             await self.open()
             future = await self.producer.send(topic, value, key=key)
             self.sent.append(future)
+            self.num_records += 1
             self.has_records.set()
             return future
 
@@ -118,7 +153,15 @@ class TransactionalProducerPort:
                 raise
             sent.add_done_callback(functools.partial(_settle, future))
             self.sent.append(future)
+            self.num_records += 1
         self.has_records.set()
+
+    def fail_waiting(self, exc: BaseException) -> None:
+        """Records never sent: their senders learn why."""
+        for *_record, future in self.waiting:
+            if not future.done():
+                future.set_exception(exc)
+        self.waiting.clear()
 
     async def open(self) -> None:
         if not self.in_transaction:
@@ -135,19 +178,70 @@ class TransactionalProducerPort:
         return bool(await partitions_of(self.producer, topic))
 
 
-class TransactionCommitter:
-    """Closes the open transaction with the consumer offsets it finishes: a linger
-    after its first record, every OFFSETS_INTERVAL_S for moved commit points alone,
-    and whenever `commit` is called."""
+class PartitionTransactions:
+    """A worker's transactional producers, one per input partition it owns."""
 
-    def __init__(self, port: TransactionalProducerPort, group_id: str,
-                 pending: PendingOffsets, committed: Committed,
+    def __init__(self, options: Mapping[str, Any], request_timeout_s: float, group_id: str):
+        self._options = options
+        self._request_timeout_s = request_timeout_s
+        self.group_id = group_id
+        self._ports: dict[Any, TransactionalProducerPort] = {}
+        self.has_records = asyncio.Event()  # some partition's open transaction holds one
+
+    def transactional_id(self, tp: Any) -> str:
+        return f"{self.group_id}.partition-{tp.partition}"
+
+    async def open(self, tps: list[Any]) -> None:
+        """Take over `tps`' transactional ids (fencing their earlier holders), all at
+        once; before the partitions' committed offsets are read."""
+        ports = {tp: TransactionalProducerPort(self._options, self._request_timeout_s,
+                                               self.transactional_id(tp), self.has_records)
+                 for tp in tps if tp not in self._ports}
+        results = await asyncio.gather(*(port.start() for port in ports.values()),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for (tp, port), result in zip(ports.items(), results, strict=True):
+            if not isinstance(result, BaseException):
+                self._ports[tp] = port
+        if failed:
+            raise failed[0]
+
+    def port(self, tp: Any) -> TransactionalProducerPort:
+        port = self._ports.get(tp)
+        if port is None:
+            raise PartitionNotHeld(f"no transaction of partition {tp}: not owned here now")
+        return port
+
+    def ports(self) -> dict[Any, TransactionalProducerPort]:
+        return dict(self._ports)
+
+    def release(self, tps: list[Any]) -> Coroutine[Any, Any, None]:
+        """Let go of `tps` (after their last commit, or once they were fenced): nothing
+        more goes into their transactions from now on; the returned coroutine stops
+        their producers (a rebalance listener hands it to a task: it must not wait)."""
+        ports = [self._ports.pop(tp) for tp in tps if tp in self._ports]
+        for port in ports:
+            port.fail_waiting(PartitionNotHeld("the partition was handed over"))
+        return _stop_all(ports)
+
+    async def close_all(self) -> None:
+        await self.release(list(self._ports))
+
+
+class TransactionCommitter:
+    """Closes the open transactions with the consumer offsets they finish: a linger
+    after a transaction's first record, every OFFSETS_INTERVAL_S for moved commit points
+    alone, and whenever `commit` is called. Each partition's transaction is committed on
+    its own producer, all at once."""
+
+    def __init__(self, transactions: PartitionTransactions, pending: PendingOffsets,
+                 committed: Committed, on_lost: OnLost = lambda _tp, _why: None,
                  on_commit: Callable[[], None] = lambda: None,
                  interval_s: float = OFFSETS_INTERVAL_S):
-        self._port = port
-        self._group_id = group_id
+        self._transactions = transactions
         self._pending = pending  # commit points that changed, per partition
         self._committed = committed
+        self._on_lost = on_lost
         self._on_commit = on_commit
         self._interval_s = interval_s
         self._last_commit = 0.0  # monotonic
@@ -155,42 +249,61 @@ class TransactionCommitter:
         self.num_commits = 0
 
     async def run(self) -> None:
+        has_records = self._transactions.has_records
         while True:
             with contextlib.suppress(TimeoutError):
-                await within(self._interval_s, self._port.has_records.wait())
-            if self._port.has_records.is_set():
+                await within(self._interval_s, has_records.wait())
+            if has_records.is_set():
                 busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
                 await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
             await self.commit()
 
     def close(self) -> None:
-        """No more commits (the producer is about to stop)."""
+        """No more commits (the producers are about to stop)."""
         self._closed = True
 
     async def commit(self) -> None:
-        """Commit the open transaction, or a transaction of offsets alone if only the
-        commit points moved; raises TransactionsFailed (for good) if it fails."""
-        port = self._port
+        """Commit every partition's open transaction (or a transaction of offsets alone
+        where only the commit point moved); raises TransactionsFailed (for good) if one
+        fails other than by being fenced."""
+        if self._closed:
+            return
+        self._transactions.has_records.clear()
+        moved = self._pending()
+        ports = self._transactions.ports()
+        work = [(tp, port) for tp, port in ports.items()
+                if port.in_transaction or port.sent or port.waiting or tp in moved]
+        results = await asyncio.gather(*(self._commit_one(tp, port) for tp, port in work),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+
+    async def _commit_one(self, tp: Any, port: TransactionalProducerPort) -> None:
         async with port.gate:
             if self._closed:
                 return
             if port.failure is not None:
                 raise TransactionsFailed(f"transactions failed: {port.failure}")
             try:
-                await self._commit(port)
+                await self._commit(tp, port)
                 await port.send_waiting()
+            except FENCED as exc:
+                port.failure = exc
+                _settle_fenced(port.producer)
+                why = (f"partition {tp.partition}'s transactional id "
+                       f"{port.transactional_id} was taken over by another worker")
+                port.fail_waiting(PartitionFenced(why))
+                self._on_lost(tp, why)
             except Exception as exc:
                 port.failure = exc
-                for *_record, future in port.waiting:  # never sent: their senders learn it
-                    if not future.done():
-                        future.set_exception(TransactionsFailed(f"transaction failed: {exc}"))
-                port.waiting.clear()
-                log.error("a transaction failed (%s: %s); nothing it held is committed, "
-                          "and it is served again by the partition's next owner",
-                          type(exc).__name__, exc)
+                port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
+                log.error("a transaction of partition %s failed (%s: %s); nothing it held "
+                          "is committed, and it is served again by the partition's next "
+                          "owner", tp.partition, type(exc).__name__, exc)
                 raise TransactionsFailed(f"transaction failed: {exc}") from exc
 
-    async def _commit(self, port: TransactionalProducerPort) -> None:
+    async def _commit(self, tp: Any, port: TransactionalProducerPort) -> None:
         if port.sent:
             # Every record acknowledged (or one failed): their offsets are finished by
             # delivery's callbacks, which run before this wait returns.
@@ -198,24 +311,40 @@ class TransactionCommitter:
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
-        offsets = self._pending()
-        if not port.in_transaction and not offsets:
+        # Read under the gate, after the acknowledgements: a commit point read before
+        # the gate was taken may be older than one a commit meanwhile wrote, and
+        # committing it would move the partition back (the chaos test caught that).
+        offsets = self._pending().get(tp)
+        if not port.in_transaction and offsets is None:
             return
         had_records = bool(port.sent)
         await port.open()
-        if offsets:
+        if offsets is not None:
+            offset, meta = offsets
             await port.producer.send_offsets_to_transaction(
-                {tp: OffsetAndMetadata(offset, meta) for tp, (offset, meta) in offsets.items()},
-                self._group_id)
+                {tp: OffsetAndMetadata(offset, meta)}, self._transactions.group_id)
         await port.producer.commit_transaction()
         port.in_transaction = False
         port.sent.clear()
-        port.has_records.clear()
-        self._committed(offsets)
+        port.num_records = 0
+        if offsets is not None:
+            self._committed({tp: offsets})
         self.num_commits += 1
         if had_records:
             self._last_commit = time.monotonic()
         self._on_commit()
+
+
+def _settle_fenced(producer: AIOKafkaProducer) -> None:
+    """A fenced producer's transaction future holds the error, which nobody else will
+    await: mark it seen, so that it is not reported again as never retrieved."""
+    waiter = producer._txn_manager.wait_for_transaction_end()  # type: ignore[union-attr]
+    if waiter is not None and waiter.done() and not waiter.cancelled():
+        waiter.exception()
+
+
+async def _stop_all(ports: list[TransactionalProducerPort]) -> None:
+    await asyncio.gather(*(port.stop() for port in ports), return_exceptions=True)
 
 
 def _settle(proxy: asyncio.Future[Any], sent: asyncio.Future[Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from results.delivery import Delivery, OnFinished
 from results.inflight import InFlight
 from results.producer import KafkaProducerPort, ProducerPort
-from results.transactions import TransactionalProducerPort
+from results.transactions import PartitionTransactions
 from results.translate import Translator
 from schemas import ErrorCode, Timing
 
@@ -74,26 +74,20 @@ class ResultWriter:
     async def flush(self) -> None:
         await self.delivery.flush()
 
-    async def use_transactions(self, transactional_id: str | None
-                               ) -> TransactionalProducerPort | None:
-        """Exactly-once delivery (a transactional id) or at-least-once (None) from now
-        on; returns the transactional producer in use. Only between requests."""
-        current = self.delivery.producer
-        if transactional_id is None:
-            if isinstance(current, TransactionalProducerPort):
-                await self.delivery.use_producer(self.delivery.stream_producer)
-                await current.stop()
-            return None
-        if isinstance(current, TransactionalProducerPort):
-            if current.transactional_id == transactional_id:
-                return current
-            await self.delivery.use_producer(self.delivery.stream_producer)
-            await current.stop()
-        port = TransactionalProducerPort(self.options.producer_options,
-                                         self.options.request_timeout_s, transactional_id)
-        await port.start()
-        await self.delivery.use_producer(port)
-        return port
+    async def use_transactions(self, group_id: str | None) -> PartitionTransactions | None:
+        """Exactly-once delivery (transactions of the model's consumer group `group_id`,
+        one producer per owned partition: `open_partitions` makes them) or at-least-once
+        (None) from now on; returns the transactions in use. Only between requests."""
+        current = self.delivery.transactions
+        if current is not None and (group_id is None or current.group_id != group_id):
+            await self.delivery.use_transactions(None)
+            await current.close_all()
+            current = None
+        if group_id is not None and current is None:
+            current = PartitionTransactions(self.options.producer_options,
+                                            self.options.request_timeout_s, group_id)
+            await self.delivery.use_transactions(current)
+        return current
 
     # ---- in-flight requests -----------------------------------------------------------
 
@@ -139,7 +133,7 @@ class ResultWriter:
 
     async def timeout(self, ctx: InFlight, waited_ms: float, reason: str) -> None:
         log_record, terminal = self.translate.timeout(ctx, waited_ms, reason)
-        await self.delivery.best_effort(log_record, stream=False)
+        await self.delivery.best_effort(log_record, tp=ctx.topic_partition)
         self._observe_end(ctx.request_id, "timeout")
         self.num_terminal += 1
         await self.delivery.terminal(terminal, ctx)

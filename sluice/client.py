@@ -309,7 +309,7 @@ class Client:
                         raise RequestTimeoutError.no_terminal_event(
                             request.request_id, model, limit)
                     assert max_ttft_ms is not None
-                    if await self._placements.started(model, where.partition,
+                    if await self._placements.started(self._producer, model, where.partition,
                                                       where.offset) is not False:
                         started_by = None  # started (or unknown): its answer is coming
                         continue

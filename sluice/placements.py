@@ -26,13 +26,12 @@ import contextlib
 import logging
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from common.safe_fetch import SafeFetcher
 from common.settings import Settings
 from common.timeouts import within
-from common.topics import partitions_of
+from common.topics import committed_of, partitions_of
 from ingest.offsets import highest_started
 from schemas import ModelDeployment, SchemaError, decode
 
@@ -47,7 +46,7 @@ class Placements:
         self._settings = settings
         self._max_ttft_ms: dict[str, int] = {}
         self._consumer: AIOKafkaConsumer | None = None
-        self._admin: AIOKafkaAdminClient | None = None
+        self._said_cannot_ask = False
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Lock()
         self._caught_up = False
@@ -60,40 +59,37 @@ class Placements:
                 await self._start()
         return self._max_ttft_ms.get(model)
 
-    async def started(self, model: str, partition: int, offset: int) -> bool | None:
+    async def started(self, client: object, model: str, partition: int,
+                      offset: int) -> bool | None:
         """Whether a worker of `model` has started the record at (partition, offset) of
-        its request topic; None when that cannot be asked (ACLs, no broker)."""
-        tp = TopicPartition(self._settings.requests_topic(model), partition)
+        its request topic, asked through `client` (a connected aiokafka producer); None
+        when that cannot be asked (ACLs, no broker)."""
         try:
-            if self._admin is None:
-                self._admin = AIOKafkaAdminClient(
-                    **self._settings.kafka_options(),
-                    request_timeout_ms=int(READ_TIMEOUT_S * 1000))
-                await within(READ_TIMEOUT_S, self._admin.start())
-            committed = await within(READ_TIMEOUT_S, self._admin.list_consumer_group_offsets(
-                self._settings.topic(model), partitions=[tp]))
+            committed = await within(READ_TIMEOUT_S, committed_of(
+                client, self._settings.topic(model), self._settings.requests_topic(model),
+                partition))
         except (KafkaError, OSError, TimeoutError) as exc:
-            log.warning("could not ask whether a worker started a request of %s (%s: %s); "
-                        "waiting for its answer until the client's own timeout", model,
-                        type(exc).__name__, exc)
+            if not self._said_cannot_ask:
+                self._said_cannot_ask = True
+                log.warning("cannot ask whether a worker started a request of %s (%s: %s); "
+                            "such requests wait for their answer until the client's own "
+                            "timeout", model, type(exc).__name__, exc)
             return None
-        meta = committed.get(tp)
-        if meta is None or meta.offset < 0:
+        if committed is None:
             return False
-        upto = highest_started(meta.metadata)
-        return meta.offset > offset or (upto is not None and upto >= offset)
+        committed_offset, metadata = committed
+        upto = highest_started(metadata)
+        return committed_offset > offset or (upto is not None and upto >= offset)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        for client in (self._consumer, self._admin):
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await (client.stop() if isinstance(client, AIOKafkaConsumer)
-                           else client.close())
-        self._consumer = self._admin = None
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+        self._consumer = None
 
     async def _start(self) -> None:
         consumer = AIOKafkaConsumer(**self._settings.kafka_options(), enable_auto_commit=False,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from batcher import types as bt
@@ -34,6 +34,10 @@ Owns = Callable[[object, int], bool]
 
 
 def _always(_tp: object, _epoch: int) -> bool:
+    return True
+
+
+async def _yes() -> bool:
     return True
 
 
@@ -200,11 +204,14 @@ OnDone = Callable[[InFlight, bt.Finished], None]
 
 class EventPump:
     def __init__(self, writer: ResultWriter, held: HeldRequests, engine: Engine,
-                 on_done: OnDone | None = None, holds: Owns = _always):
+                 on_done: OnDone | None = None, holds: Owns = _always,
+                 may_write: Callable[[], Awaitable[bool]] = _yes):
         self._writer = writer
         # Events of a request whose partition was revoked (handed over, or lost while this
         # worker was paused) are dropped: its new owner answers it.
         self._holds = holds
+        # False after a pause past the session (`worker.membership`): dropped too.
+        self._may_write = may_write
         self._held = held
         self._engine = engine
         self._on_done = on_done  # after a done event is written (the next turn's memory)
@@ -263,7 +270,7 @@ class EventPump:
 
     async def _handle(self, event: bt.Event) -> None:
         ctx: InFlight = event.origin
-        if not self._holds(ctx.topic_partition, ctx.epoch):
+        if not await self._may_write() or not self._holds(ctx.topic_partition, ctx.epoch):
             if not isinstance(event, bt.Tokens):
                 await self._held.release(event.key)
             return

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from batcher import types as bt
 from batcher.config import BatcherConfig
@@ -52,12 +52,13 @@ from ingest.partitioning import PartitionAudit
 from ingest.permissions import PermissionChecker
 from ingest.prompting import PromptBuilder
 from results.inflight import InFlight
-from results.transactions import TransactionCommitter
+from results.transactions import PartitionTransactions, TransactionCommitter
 from results.writer import ResultWriter
 from schemas import ModelDeployment
 from worker.deployments import DeploymentWatcher
 from worker.heartbeat import Heartbeat
 from worker.identity import ReplicaLock, ReplicaTakenError
+from worker.membership import MembershipGate
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.options import WorkerOptions, ingest_options, results_options
 from worker.requests import EventPump, HeldRequests, Router
@@ -74,6 +75,9 @@ RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora
 DRAIN_S = 30.0
 LEAVE_GROUP_S = 30.0
 HAND_OVER_S = 20.0
+# A stall this long (of the session timeout's 10 s) makes the worker confirm its group
+# membership before it writes again.
+STALL_S = 3.0
 
 RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
 T = TypeVar("T")
@@ -107,7 +111,9 @@ class Worker:
         self.prompts: PromptBuilder | None = None
         self.writer: ResultWriter | None = None  # made in `run`: it needs the event loop
         self.pump: EventPump | None = None
-        # Exactly-once delivery: closes the transactions (None: at-least-once).
+        # Exactly-once delivery: the partitions' transactions, and who closes them (None:
+        # at-least-once).
+        self.transactions: PartitionTransactions | None = None
         self.committer: TransactionCommitter | None = None
         self._committer_task: asyncio.Task[Any] | None = None
         self._serving = asyncio.Event()  # this pool is in the model's placement
@@ -118,6 +124,10 @@ class Worker:
         self.adapters = ServedAdapters(self.model)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._compiling = False  # the compiled step is being built behind live serving
+        # After a stall (a pause) nothing is written until the group still knows us.
+        self.membership = MembershipGate(
+            lambda: self.ingest.consumer._coordinator if self.ingest is not None else None,
+            stall_s=STALL_S)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -157,6 +167,7 @@ class Worker:
             self._spawn(self.pump.run(), "event pump")  # type: ignore[union-attr]
             self._spawn(self._commit_loop(), "offset commits")
             self._spawn(self._gauges(), "gauges")
+            self._spawn(self.membership.watch(), "stall watch")
             if not self._stopping.is_set():
                 self.metrics.set_ready(True)
                 self._set_status(self._serving_status())
@@ -238,23 +249,25 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.committer is not None:
-            # The last transaction, with what the drain finished (never after one failed).
+            # The last transactions, with what the drain finished (never after one failed).
             if self.writer is not None:
-                await self.writer.flush()
-            if self.ingest is not None:
-                with contextlib.suppress(Exception):
-                    await self.ingest.commit()
+                await _quietly(self.writer.flush(), "flushing the last answers")
+            if self.ingest is not None and self.fatal is None:
+                await _quietly(self.ingest.commit(), "the last transactions")
             self.committer.close()
+        if self.transactions is not None:
+            await _quietly(self.transactions.close_all(), "stopping the transactional producers")
         if self.writer is not None:
-            await self.writer.stop()
+            await _quietly(self.writer.stop(), "stopping the producer")
         if self.ingest is not None:
-            await self.ingest.commit()
-            await self.ingest.stop()
+            if self.committer is None:
+                await _quietly(self.ingest.commit(), "the last offset commit")
+            await _quietly(self.ingest.stop(), "leaving the consumer group")
         if self.engine is not None:
             await self.engine.stop()
         if self.runtime is not None:
             await asyncio.to_thread(self.runtime.close)
-        await watcher.stop()
+        await _quietly(watcher.stop(), "stopping the control-topic reader")
         await checker.close()
         if self.heartbeat is not None:
             self.heartbeat.set_status("stopped")
@@ -335,7 +348,8 @@ class Worker:
         if self.pump is None:
             assert self.writer is not None
             self.pump = EventPump(self.writer, self.held, self.engine,
-                                  on_done=self._remember_turn, holds=self.tracker.holds)
+                                  on_done=self._remember_turn, holds=self.tracker.holds,
+                                  may_write=self.membership.confirmed)
         else:
             self.pump.switch(self.engine)
         if self.ingest is not None:
@@ -381,9 +395,9 @@ class Worker:
         return "serving (compiling)" if self._compiling else "serving"
 
     async def _use_delivery(self, dep: ModelDeployment) -> None:
-        """At-least-once, or exactly-once: terminal records and offsets in transactions
-        under a transactional id as stable as the replica's group member id, so a
-        restarted replica fences its dead self and aborts what it left open."""
+        """At-least-once, or exactly-once: terminal records and offsets in transactions,
+        one transactional id per input partition, taken over by each new owner of the
+        partition (`results.transactions`: the broker fences the old one)."""
         assert self.writer is not None
         exactly_once = dep.compute_config.delivery == "exactly_once"
         if not exactly_once:
@@ -393,22 +407,61 @@ class Worker:
                     self._committer_task.cancel()
                 self.committer = self._committer_task = None
                 await self.writer.use_transactions(None)
+                self.transactions = None
                 log.info("delivery: at least once")
             if self.ingest is not None:
                 self.ingest.transactions = None
+                self.ingest.defer_assignment = None
             return
         group_id = self.settings.topic(self.model)
-        port = await connect(self.writer.use_transactions(f"{group_id}.{self.instance_id}"),
-                             self.settings, "the worker's transactional producer")
-        assert port is not None
+        self.transactions = await self.writer.use_transactions(group_id)
+        assert self.transactions is not None
+        if self.ingest is not None:  # a reload: the partitions owned now get theirs
+            await self._open_transactions(list(self.ingest.consumer.assignment()))
         if self.committer is None:
             self.committer = TransactionCommitter(
-                port, group_id, self._pending_offsets, self.tracker.mark_committed,
-                on_commit=self.metrics.observe_transaction)
+                self.transactions, self._pending_offsets, self.tracker.mark_committed,
+                on_lost=self._on_partition_fenced, on_commit=self.metrics.observe_transaction)
             self._committer_task = self._spawn(self.committer.run(), "transaction commits")
-            log.info("delivery: exactly once (transactional id %s)", port.transactional_id)
+            log.info("delivery: exactly once (transactional ids %s.partition-N)", group_id)
         if self.ingest is not None:
             self.ingest.transactions = self.committer
+            self.ingest.defer_assignment = self._take_over
+
+    async def _open_transactions(self, tps: list[Any]) -> None:
+        """Take over the transactional ids of partitions just assigned, fencing their
+        earlier holders, before their committed offsets are read. Retried while the
+        broker is away; a worker that cannot is stopped (it may not serve them)."""
+        if self.transactions is None or not tps:
+            return
+        deadline = time.monotonic() + self.settings.client.timeout_secs
+        while True:
+            try:
+                await self.transactions.open(tps)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self._fail(f"the transactional ids of partitions "
+                               f"{sorted(tp.partition for tp in tps)} could not be taken "
+                               "over", exc)
+                    raise
+                log.warning("taking over the transactional ids of partitions %s failed "
+                            "(%s: %s); trying again", sorted(tp.partition for tp in tps),
+                            type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+
+    def _on_partition_fenced(self, tp: Any, why: str) -> None:
+        """A partition's transactional id was taken over: another worker owns the
+        partition now (this one was paused, or cut off, past its session). Nothing more
+        is written or committed for it; what this worker held of it is dropped."""
+        self.tracker.revoke(tp)
+        dropped = self._drop_held({tp})
+        log.warning("%s (this worker was paused or cut off past its session timeout): "
+                    "its %d requests here are dropped unanswered, served by their new "
+                    "owner; nothing of it was committed from here", why, dropped)
+        if self.transactions is not None:
+            self._spawn(self.transactions.release([tp]),
+                        f"stopping partition {tp.partition}'s producer", runs_forever=False)
 
     def _pending_offsets(self) -> dict[Any, tuple[int, str]]:
         return dict(self.ingest.pending_offsets()) if self.ingest is not None else {}
@@ -511,6 +564,8 @@ class Worker:
         ingest.max_ttft_ms = self.deployment.placement.max_ttft_ms
         ingest.adapters = frozenset(self.adapters.names)
         ingest.transactions = self.committer
+        if self.transactions is not None:
+            ingest.defer_assignment = self._take_over
         return ingest
 
     def _current_runtime(self) -> Runtime:
@@ -550,13 +605,17 @@ class Worker:
     def _backpressure(self) -> None:
         """Pause every partition while the engine is full, resume when it is not."""
         assert self.ingest is not None and self.engine is not None
-        consumer = self.ingest.consumer
-        if self.engine.is_full():
-            unpaused = consumer.assignment() - consumer.paused()
-            if unpaused:
-                consumer.pause(*unpaused)
-        elif consumer.paused():
-            consumer.resume(*consumer.paused())
+        self.ingest.pause_all(self.engine.is_full())
+
+    def _take_over(self, tps: list[Any], assignment: int) -> None:
+        """Exactly-once: partitions just assigned (paused) are served once their
+        transactional ids are taken over and their offsets read after that."""
+        async def take_over() -> None:
+            await self._open_transactions(tps)
+            assert self.ingest is not None
+            await self.ingest.start_partitions(tps, assignment)
+
+        self._spawn(take_over(), "taking partitions over", runs_forever=False)
 
     async def _leave_group(self) -> None:
         """This pool left the model's placement: finish what we hold, then hand the
@@ -588,6 +647,9 @@ class Worker:
             for tp in revoked:  # no answer, and no commit point to commit, from now on
                 self.tracker.revoke(tp)
             dropped = self._drop_held(gone)
+            if self.transactions is not None:  # their new owners fence these anyway
+                self._spawn(self.transactions.release(list(revoked)),
+                            "stopping revoked partitions' producers", runs_forever=False)
             log.warning("this worker fell out of the consumer group (paused or cut off "
                         "longer than its session timeout): partitions %s went to other "
                         "workers, which serve its %d requests of them again; dropped them "
@@ -599,6 +661,9 @@ class Worker:
             self.tracker.silence(tp)
         if self.ingest is not None:
             await self.ingest.commit()
+        if self.transactions is not None:
+            self._spawn(self.transactions.release(list(revoked)),
+                        "stopping revoked partitions' producers", runs_forever=False)
         log.info("partitions %s revoked; handed over after %.2f s%s", names,
                  time.monotonic() - started,
                  f" ({dropped} unfinished requests left to their new owner)" if dropped else "")
@@ -633,8 +698,7 @@ class Worker:
                 continue
             if time.monotonic() - checked > ACCESS_CHECK_EVERY_S:
                 checked = time.monotonic()
-                with contextlib.suppress(TimeoutError, KafkaConnectionError):
-                    await within(10, ingest.check_access())
+                await self._check_access(ingest)
             if self.adapters.has_retired:
                 await self.adapters.drop_retired(runtime, engine)
             self.metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
@@ -644,6 +708,19 @@ class Worker:
                 high, point = ingest.consumer.highwater(tp), self.tracker.commit_point(tp)
                 if high is not None:  # lag = records not yet finished
                     self.metrics.set_lag(tp.partition, high - (point[0] if point else high))
+
+    async def _check_access(self, ingest: RequestIngest) -> None:
+        """A denied request topic stops the worker (TopicAuthorizationFailedError); a
+        broker that does not answer now (away, electing leaders) is only logged: it is
+        asked again at the next check."""
+        try:
+            await within(10, ingest.check_access())
+        except TopicAuthorizationFailedError:
+            raise
+        except (KafkaError, OSError, TimeoutError) as exc:
+            log.warning("could not check access to %s now (%s: %s); checking again in "
+                        "%g s", self.settings.requests_topic(self.model), type(exc).__name__,
+                        exc, ACCESS_CHECK_EVERY_S)
 
     async def _commit_loop(self) -> None:
         assert self.ingest is not None
@@ -676,3 +753,19 @@ async def _in_background_thread(work: Callable[[], T]) -> T:
 
     threading.Thread(target=run, name="sluice-compile", daemon=True).start()
     return await future
+
+
+async def _quietly(work: Coroutine[Any, Any, Any], what: str) -> None:
+    """One step of a shutdown: its failure is logged and the shutdown goes on — also a
+    cancellation raised from inside it (a client's own task cancelled under it), which
+    is not this task's; a cancellation of this task still cancels."""
+    try:
+        await work
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("%s was cancelled from within; going on with the shutdown", what)
+    except Exception as exc:
+        log.warning("%s failed (%s: %s); going on with the shutdown", what,
+                    type(exc).__name__, exc)

@@ -10,7 +10,7 @@ import typer
 from sluice.cli.common import fail, friendly_errors
 
 CHOICES = ("runtime", "adapters", "sessions", "deadlines", "startup", "kafka", "bulk", "gateway",
-           "all", "gpu")
+           "all", "gpu", "chaos")
 
 
 def register(app: typer.Typer) -> None:
@@ -28,6 +28,12 @@ def register(app: typer.Typer) -> None:
             "--device", help="cpu or cuda (default: cpu; cuda for `gpu`).")] = None,
         tiny: Annotated[bool, typer.Option(
             "--tiny", help="`gpu` only: a tiny shape, so it runs anywhere.")] = False,
+        seed: Annotated[int, typer.Option("--seed", help="`chaos`: the faults' seed.")] = 1,
+        requests: Annotated[int, typer.Option(
+            "--requests", min=1, help="`chaos`: requests sent.")] = 3000,
+        faults: Annotated[int, typer.Option("--faults", min=0, help="`chaos`: faults.")] = 12,
+        delivery: Annotated[str, typer.Option(
+            "--delivery", help="`chaos`: exactly_once or at_least_once.")] = "exactly_once",
     ) -> None:
         """Run a scenario beside its baseline and the machine's limits; print a table."""
         import orjson
@@ -39,7 +45,10 @@ def register(app: typer.Typer) -> None:
                 "cuda:"):
             raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
         console = Console()
-        if scenario == "gpu":
+        if scenario == "chaos":
+            doc = _chaos(console, seed, requests, faults, delivery)
+            results = None
+        elif scenario == "gpu":
             from sluice.bench.gpu import print_gpu, run_gpu
 
             doc = run_gpu(device or "cuda", tiny=tiny)
@@ -69,6 +78,38 @@ def register(app: typer.Typer) -> None:
                 console.print(f"wrote {render(results, plot_out)}")
             except PlotUnavailableError as exc:
                 raise fail(str(exc)) from None
+        if scenario == "chaos" and (doc["violations"] or not doc["goals_met"]):
+            raise fail(f"chaos: {doc['violations']} violations; goals met: {doc['goals_met']}")
         if results is not None and failed_scenarios(results):
             raise fail(f"scenarios failed: {', '.join(failed_scenarios(results))} "
                        "(their errors are in the table and the JSON)")
+
+
+def _chaos(console: object, seed: int, requests: int, faults: int, delivery: str) -> dict:
+    """A seeded fault run on a cluster of its own (`sluice.bench.chaos`), as a document."""
+    import asyncio
+    import tempfile
+
+    from gpu_runtime.tiny import make_tiny_model
+    from sluice.bench.chaos import SESSION_TIMEOUT_S, ChaosConfig, run_chaos
+    from sluice.bench.harness import goal, percentile
+
+    if delivery not in ("exactly_once", "at_least_once"):
+        raise fail(f"--delivery must be exactly_once or at_least_once, got {delivery!r}", 2)
+    config = ChaosConfig(seed=seed, requests=requests, faults=faults, delivery=delivery)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "tiny")
+        report = asyncio.run(run_chaos(config, Path(tmp), model, say=console.print))  # type: ignore[attr-defined]
+    doc = report.summary()
+    p99 = percentile(report.fault_latency_s, 0.99)
+    goals = {
+        "no_violation": goal("0 lost, 0 duplicated, no rewind, texts equal", -len(
+            report.violations), 0),
+        "p99_during_faults": goal(f"end-to-end p99 during a fault <= session timeout + 2 s "
+                                  f"({SESSION_TIMEOUT_S + 2:g} s)", p99,
+                                  SESSION_TIMEOUT_S + 2, higher_is_better=False, unit="s"),
+    }
+    doc["goals"] = goals
+    doc["goals_met"] = all(g["met"] for g in goals.values())
+    console.print(doc)  # type: ignore[attr-defined]
+    return doc

@@ -81,6 +81,7 @@ def register(app: typer.Typer) -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.stop)
+            loop.add_signal_handler(signal.SIGUSR1, _log_tasks)  # what is it waiting on?
             await worker.run()
 
         try:
@@ -93,6 +94,16 @@ def register(app: typer.Typer) -> None:
             logging.getLogger("sluice").error("worker stopped: %s", worker.fatal)
             raise typer.Exit(3)
         logging.getLogger("sluice").info("worker stopped")
+
+
+def _log_tasks() -> None:
+    """Log every asyncio task's stack (SIGUSR1): where a worker that seems stuck waits."""
+    import io
+
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=6, file=out)
+    logging.getLogger("sluice").warning("asyncio tasks on SIGUSR1:\n%s", out.getvalue())
 
 
 def _auto_replicas(settings: object, model: str, device: str, tp: int | None) -> int:

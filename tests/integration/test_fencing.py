@@ -1,0 +1,69 @@
+"""Zombie fencing at the broker: a partition's transactional id, taken over by its new
+owner, fences the old one for good.
+
+Two owners of one input partition, as a paused worker and the one the group gave its
+partition to: the old one has an answer in its open transaction when the new one takes
+the partition over. The broker aborts that transaction, and the old owner can commit
+neither it nor offsets afterwards (its committer reports the partition lost); a
+`read_committed` reader never sees its answer, and the committed offset is the new
+owner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from common.topics import TopicAdmin, TopicSpec, committed_of
+from results.transactions import PartitionTransactions, TransactionCommitter
+
+pytestmark = [pytest.mark.integration]
+
+
+async def test_a_taken_over_partition_fences_its_old_owner(settings) -> None:
+    inputs, replies = f"{settings.topic_prefix}.requests.m", f"{settings.topic_prefix}.replies"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 1, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.m"
+    tp = TopicPartition(inputs, 0)
+    options, lost = settings.producer_options(), []
+    offsets = {"old": (5, "h=5;a=0"), "new": (3, "h=4;a=1")}
+
+    def committer(txns: PartitionTransactions, who: str) -> TransactionCommitter:
+        return TransactionCommitter(txns, lambda: {tp: offsets[who]}, lambda _c: None,
+                                    on_lost=lambda t, why: lost.append((who, t, why)))
+
+    old, new = (PartitionTransactions(options, 30, group) for _ in range(2))
+    try:
+        await old.open([tp])
+        await (await old.port(tp).send(replies, orjson.dumps({"by": "old", "n": 1}), b"k"))
+        await new.open([tp])  # the new owner takes the partition over
+        await committer(old, "old").commit()  # the zombie wakes and commits
+        assert [(who, t) for who, t, _ in lost] == [("old", tp)]
+        assert "taken over by another worker" in lost[0][2]
+        await (await new.port(tp).send(replies, orjson.dumps({"by": "new", "n": 2}), b"k"))
+        await committer(new, "new").commit()
+        assert len(lost) == 1
+
+        reader = AIOKafkaConsumer(**settings.kafka_options(), isolation_level="read_committed",
+                                  auto_offset_reset="earliest", group_id=None)
+        await reader.start()
+        try:
+            reader.assign([TopicPartition(replies, 0)])
+            seen = []
+            async with asyncio.timeout(30):
+                while not seen:
+                    batch = await reader.getmany(timeout_ms=500)
+                    seen += [orjson.loads(r.value)["by"] for rs in batch.values() for r in rs]
+            assert seen == ["new"]  # the old owner's answer was aborted
+            assert await committed_of(reader, group, inputs, 0) == offsets["new"]
+        finally:
+            await reader.stop()
+    finally:
+        await old.close_all()
+        await new.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
