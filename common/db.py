@@ -75,6 +75,20 @@ MIGRATIONS: list[str] = [
     ALTER TABLE workers ADD COLUMN status text NOT NULL DEFAULT 'unknown';
     ALTER TABLE workers ADD COLUMN process text NOT NULL DEFAULT '';
     """,
+    # 5: the gateway's stored responses (Responses API: GET and previous_response_id).
+    """
+    CREATE TABLE responses (
+        id text PRIMARY KEY,
+        tenant text NOT NULL,
+        model text NOT NULL,
+        session_key text NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        expires_at timestamptz NOT NULL,
+        response jsonb NOT NULL,
+        conversation jsonb NOT NULL
+    );
+    CREATE INDEX responses_expiry ON responses (expires_at);
+    """,
 ]
 
 _LOCK_ID = 0x51CE

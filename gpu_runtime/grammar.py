@@ -71,6 +71,12 @@ def _compile(grammars: Grammars, key: bytes) -> str | None:
     kind = response_format.get("type")
     if kind == "text":
         return None
+    if kind == "lark":  # a grammar made elsewhere (a forced tool call's)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(response_format["grammar"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise GrammarError(f"tool call grammar: {exc}") from None
+        return _validated(grammar, grammars, "tool call grammar")
     if kind == "json_object":
         schema: Any = {"type": "object"}
     elif kind == "json_schema":
@@ -86,9 +92,15 @@ def _compile(grammars: Grammars, key: bytes) -> str | None:
             schema, defaults={"whitespace_pattern": WHITESPACE})
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"response_format schema: {exc}") from None
+    return _validated(grammar, grammars, "response_format schema")
+
+
+def _validated(grammar: str, grammars: Grammars, what: str) -> str:
+    import llguidance
+
     problem = llguidance.LLMatcher.validate_grammar(grammar, grammars._tokenizer())
     if problem and not problem.startswith("WARNING"):
-        raise GrammarError(f"response_format schema: {problem}")
+        raise GrammarError(f"{what}: {problem}")
     return grammar
 
 

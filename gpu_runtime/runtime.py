@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_runtime import penalties
 from gpu_runtime.block_manager import BlockManager
 from gpu_runtime.config import ModelConfig, RuntimeConfig, context_limit
 from gpu_runtime.errors import (
@@ -266,6 +267,11 @@ class Runtime:
             raise InvalidSequenceError("stop strings need a model with tokenizer.json")
         if any(not 0 <= t < vocab for t in params.stop_token_ids or ()):
             raise InvalidSequenceError("stop_token_ids outside the vocabulary")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise InvalidSequenceError(f"logit_bias names a token outside the vocabulary "
+                                       f"[0, {vocab})")
+        if params.repetition_penalty <= 0:
+            raise InvalidSequenceError("repetition_penalty must be above 0")
         return prompt
 
     @property
@@ -338,7 +344,8 @@ class Runtime:
         # those of the model's own distribution.
         matchers = [s.matcher for s in seqs]
         constrained = any(m is not None for m in matchers)
-        sampled = sample(mask_rows(logits, matchers) if constrained else logits, batch,
+        adjusted = penalties.process(logits, seqs)
+        sampled = sample(mask_rows(adjusted, matchers) if constrained else adjusted, batch,
                          self.generator)
         token_ids = sampled.tolist()
         logprobs = _logprobs(logits, sampled, [p.logprobs for p in params])

@@ -30,6 +30,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Changes to the logits before sampling (`penalties.py`); the defaults change nothing.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
     # None: no log probabilities; k: the sampled token's and the k most likely, from the
     # model's distribution (log-softmax of the raw logits, before temperature/top-k/p).
     logprobs: int | None = None

@@ -64,14 +64,14 @@ class ChatTemplate:
         raise ChatTemplateError("tokenizer_config.json: chat_template is neither a string "
                                 "nor a list of named templates")
 
-    def render(self, messages: list[dict[str, Any]], *,
-               add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         try:
             template = _compile(self.source)
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"the model's chat template does not parse: {exc}") from None
         try:
-            return template.render(messages=messages, tools=None, documents=None,
+            return template.render(messages=messages, tools=tools, documents=None,
                                    add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens)
         except jinja2.TemplateError as exc:  # raise_exception, undefined calls, sandbox

@@ -114,7 +114,8 @@ class RequestChecks:
             return refuse(ErrorCode.INVALID_REQUEST, str(exc))
         return Admitted(request, tp, record.offset, attempt, reply_topic,
                         admitted.arrival_time, admitted.max_ttft_ms, prompt.token_ids,
-                        prompt.chat, decision.tenant, key_digest(_authorization(record)))
+                        prompt.chat, decision.tenant, key_digest(_authorization(record)),
+                        tool_format=prompt.tool_format)
 
     async def _cancel(self, record: ConsumerRecord, tp: TopicPartition,
                       parsed: dict[str, object], value: bytes) -> Verdict:

@@ -9,6 +9,14 @@
   this worker generated are kept when the conversation comes back (`turns.py`).
   A model without a template gets sluice's plain framing (`frame_message`), each
   message tokenized on its own after the bos of config.json.
+
+With `tools`, the template gets them as transformers passes them
+(`apply_chat_template(messages, tools=...)`), and assistant messages with
+`tool_calls` and `tool` messages reach it as transformers' dicts (arguments as
+objects). A template that knows nothing of tools gets sluice's rendering instead
+(`common.tool_formats`: the tools in the system message, calls and results written
+into the messages' text, in the hermes format). The prompt says which call format
+the model writes, so a forced call can be generated to fit it and any call parsed.
 """
 
 from __future__ import annotations
@@ -18,12 +26,15 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
+from common import tool_formats
+from common.tool_formats import ToolFormat
 from ingest.chat_template import ChatTemplate, ChatTemplateError
 from ingest.turns import ChatPrompt, RememberedTurn, TurnMemory, conversation_key, splice
-from schemas import InferenceRequest
+from schemas import ChatMessage, InferenceRequest, NamedToolChoice
 
 
 class PromptError(ValueError):
@@ -42,6 +53,7 @@ ASSISTANT_PREFIX = "<|assistant|>\n"
 class Prompt:
     token_ids: list[int]
     chat: ChatPrompt | None = None  # a templated chat prompt, for the next turn to find
+    tool_format: ToolFormat | None = None  # how the model writes calls (tools asked for)
 
 
 @dataclass(slots=True)
@@ -82,18 +94,41 @@ class PromptBuilder:
             return Prompt(ids)
         if request.prompt is not None:
             return Prompt(self.text_ids(request.prompt))
-        messages = [(m.role, m.text) for m in request.messages or []]
-        return self.chat(messages, request.adapter)
+        fmt, native = tool_formats.detect(self.template.source if self.template else None)
+        messages = [_as_dict(m, native) for m in request.messages or []]
+        tools = None
+        if request.calls_tools:
+            assert request.tools is not None
+            functions = [t.function.model_dump(exclude_none=True) for t in request.tools]
+            if native:
+                tools = [{"type": "function", "function": f} for f in functions]
+            else:
+                choice = request.tool_choice
+                forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
+                messages = _with_system(messages, tool_formats.fallback_system_prompt(
+                    functions, forced))
+        prompt = self.chat(messages, request.adapter, tools)
+        if not request.calls_tools:
+            return prompt
+        return Prompt(prompt.token_ids, prompt.chat, fmt)
 
     def text_ids(self, text: str) -> list[int]:
         """A plain-text prompt, as the tokenizer (and its post-processor) makes it."""
         return self._tokenizer().encode(text, add_special_tokens=True).ids
 
-    def chat(self, messages: Sequence[tuple[str, str]], adapter: str | None = None) -> Prompt:
+    def chat(self, messages: Sequence[tuple[str, str]] | Sequence[dict[str, Any]],
+             adapter: str | None = None, tools: list[dict[str, Any]] | None = None) -> Prompt:
+        """A chat prompt: (role, content) pairs, or message dicts as a template takes
+        them (tool calls and tool results included)."""
         tokenizer = self._tokenizer()
         if self.template_problem is not None:
             raise PromptError(f"this model's chat template cannot be used: "
                               f"{self.template_problem}")
+        dicts = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]}
+                 for m in messages]
+        # What the turn memory keys on (a key that collides is harmless: a remembered
+        # turn is used only where the rendered text starts with its prompt and answer).
+        messages = [(str(m["role"]), str(m.get("content") or "")) for m in dicts]
         if self.template is None:
             ids = [self.bos_token_id] if self.bos_token_id is not None else []
             for role, content in messages:
@@ -101,7 +136,7 @@ class PromptBuilder:
                                         add_special_tokens=False).ids
             return Prompt(ids + tokenizer.encode(ASSISTANT_PREFIX, add_special_tokens=False).ids)
         try:
-            text = self.template.render([{"role": r, "content": c} for r, c in messages])
+            text = self.template.render(dicts, tools=tools)
         except ChatTemplateError as exc:
             raise PromptError(str(exc)) from None
         encoding = tokenizer.encode(text, add_special_tokens=False)
@@ -133,3 +168,47 @@ class PromptBuilder:
             raise PromptError(
                 "this model has no tokenizer.json; send prompt_token_ids instead of text")
         return self.tokenizer
+
+
+def _as_dict(message: ChatMessage, native: bool) -> dict[str, Any]:
+    """A message as a chat template takes it. With a template that renders tools
+    (`native`), calls and results are transformers' dicts (arguments as objects, as its
+    docs ask; OpenAI sends them as JSON strings); with one that does not, they are
+    written into the text in the fallback format."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text}
+    calls = [(c.id, c.function.name, _arguments(c.function.arguments))
+             for c in message.tool_calls or []]
+    if native:
+        if calls:
+            out["tool_calls"] = [{"id": i, "type": "function",
+                                  "function": {"name": n, "arguments": a}} for i, n, a in calls]
+        if message.role == "tool":
+            out["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                out["name"] = message.name
+        return out
+    if calls:
+        written = [tool_formats.fallback_call_text(n, a if isinstance(a, dict) else {})
+                   for _i, n, a in calls]
+        out["content"] = "\n".join(([message.text] if message.text else []) + written)
+    if message.role == "tool":
+        out["content"] = tool_formats.fallback_result_text(message.text)
+    return out
+
+
+def _arguments(raw: str) -> dict[str, Any] | str:
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return raw
+    return parsed if isinstance(parsed, dict) else raw
+
+
+def _with_system(messages: list[dict[str, Any]], instructions: str) -> list[dict[str, Any]]:
+    """`instructions` at the end of the first system message, or as one of its own."""
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{instructions}" if first["content"] \
+            else instructions
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]

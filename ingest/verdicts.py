@@ -57,6 +57,7 @@ class Admitted:
     # A digest of its authorization header: a cancel with the same key needs no lookup.
     key_digest: bytes | None = None
     epoch: int = 0  # of the partition's assignment it was read under
+    tool_format: str | None = None  # how the model writes tool calls (tools asked for)
 
 
     @property

@@ -31,6 +31,7 @@ class InFlight:
     tenant: str | None = None  # whose key sent it: only that tenant may cancel it
     key_digest: bytes | None = None  # of its authorization header (a cancel's fast check)
     epoch: int = 0  # of the partition's assignment it was read under
+    tool_format: str | None = None  # how the model writes tool calls, when it may make some
 
     @property
     def request_id(self) -> str:

@@ -8,20 +8,25 @@ to (a held-back UTF-8 tail goes out first as a last, token-less event).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common import tool_formats
 from results.inflight import InFlight
 from schemas import (
     DeadLetterRecord,
     DoneEvent,
     ErrorCode,
     ErrorEvent,
+    FunctionCall,
     TimeoutEvent,
     TimeoutRecord,
     Timing,
     TokenEvent,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
     encode,
@@ -76,10 +81,15 @@ class Translator:
             text = ctx.decoder.emitted
         else:
             text = ctx.decoder.text()
+        content, calls = (None, None)
+        if ctx.tool_format is not None and finish_reason in ("stop", "length"):
+            content, calls = self._tool_calls(ctx, token_ids, text)
+            if calls:
+                finish_reason = "tool_calls"
         event = DoneEvent(
             request_id=ctx.request_id, attempt=ctx.attempt,
             finish_reason=finish_reason,  # type: ignore[arg-type]
-            text=text, token_ids=list(token_ids),
+            text=text, tool_calls=calls, content=content, token_ids=list(token_ids),
             usage=Usage(prompt_tokens=ctx.num_prompt_tokens,
                         cached_prompt_tokens=num_cached_prompt_tokens,
                         completion_tokens=len(token_ids)),
@@ -87,6 +97,24 @@ class Translator:
             logprobs=self._logprobs(ctx, token_ids, logprobs),
         )
         return [*records, self._reply(ctx, encode(event))]
+
+    @staticmethod
+    def _tool_calls(ctx: InFlight, token_ids: list[int],
+                    text: str) -> tuple[str | None, list[ToolCall] | None]:
+        """The calls in a generated answer, parsed in the model's own format (a format
+        whose marker is a special token is read from the text with special tokens)."""
+        fmt = ctx.tool_format
+        content, calls = tool_formats.parse(fmt, text)  # type: ignore[arg-type]
+        tokenizer = ctx.decoder.tokenizer
+        if not calls and fmt == "mistral" and tokenizer is not None:
+            raw = tokenizer.decode(token_ids, skip_special_tokens=False)
+            content, calls = tool_formats.parse(fmt, raw)
+        if not calls:
+            return None, None
+        return content, [
+            ToolCall(id=_call_id(ctx.request_id, i), function=FunctionCall(
+                name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
+            for i, c in enumerate(calls)]
 
     @staticmethod
     def _logprobs(ctx: InFlight, token_ids: list[int],
@@ -154,3 +182,10 @@ class Translator:
     @staticmethod
     def _reply(ctx: InFlight, value: bytes) -> WireRecord:
         return WireRecord(ctx.reply_topic, ctx.request_id.encode(), value)
+
+
+def _call_id(request_id: str, index: int) -> str:
+    """A call's id: the same for the same request and place (a retried attempt's calls
+    keep their ids)."""
+    digest = hashlib.sha256(f"{request_id}\0{index}".encode()).hexdigest()
+    return f"call_{digest[:24]}"

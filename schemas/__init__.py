@@ -21,7 +21,16 @@ from schemas.events import (
     Usage,
 )
 from schemas.records import DeadLetterRecord, TimeoutRecord
-from schemas.requests import CancelRequest, ChatMessage, InferenceRequest, is_cancel
+from schemas.requests import (
+    CancelRequest,
+    ChatMessage,
+    FunctionCall,
+    InferenceRequest,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    is_cancel,
+)
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -36,8 +45,10 @@ __all__ = [
     "ErrorCode",
     "ErrorEvent",
     "FieldProblem",
+    "FunctionCall",
     "InferenceRequest",
     "ModelDeployment",
+    "NamedToolChoice",
     "Placement",
     "ReplyEvent",
     "SchemaError",
@@ -46,6 +57,8 @@ __all__ = [
     "Timing",
     "TokenEvent",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "TopLogprob",
     "Usage",
     "decode",

@@ -7,11 +7,12 @@ event is keyed by its request id (UTF-8) and tells its kind by `type`.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from schemas.names import MessageId
+from schemas.requests import ToolCall, WithOptionalFields
 
 _ATTEMPT = (
     "Which serving of the request this event belongs to: 0 first, one more each time the "
@@ -117,19 +118,29 @@ class Timing(BaseModel):
         "Milliseconds until it was done."))
 
 
-class DoneEvent(_Event):
+class DoneEvent(_Event, WithOptionalFields):
     """The request finished: the terminal event of a request that ran (or was cancelled),
     on the reply topic, keyed by request id."""
 
+    OMITTED_WHEN_NULL: ClassVar[tuple[str, ...]] = ("tool_calls", "content")
+
     type: Literal["done"] = Field(default="done", description='Always "done".')
     attempt: int = Field(default=0, ge=0, description=_ATTEMPT)
-    finish_reason: Literal["stop", "length", "cancelled"] = Field(description=(
+    finish_reason: Literal["stop", "length", "cancelled", "tool_calls"] = Field(description=(
         "stop: the model ended its answer, a stop string appeared, or the JSON of "
         "response_format was complete; length: max_tokens (or the model's context) was "
-        "reached; cancelled: a cancel record stopped it."))
+        "reached; cancelled: a cancel record stopped it; tool_calls: the answer is the "
+        "calls in tool_calls."))
     text: str = Field(description=(
         "All generated text. A stop string is never part of it. With stream true, the "
-        "texts of the token events joined."))
+        "texts of the token events joined. With tool_calls, the text around the calls "
+        "(often empty)."))
+    tool_calls: list[ToolCall] | None = Field(default=None, description=(
+        "The calls the model made (a request with tools), parsed from its output in the "
+        "model's own call format; null when it made none."))
+    content: str | None = Field(default=None, description=(
+        "With tool_calls: the generated text without the calls' own markup (what an "
+        "OpenAI message's content is); null otherwise."))
     token_ids: list[int] | None = Field(default=None, description=(
         "All generated token ids, in order (sluice's workers always give them)."))
     usage: Usage = Field(description="Token counts.")

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    model_serializer,
+    model_validator,
+)
 
 from schemas.names import AdapterName, MessageId, ModelName, TopicName
 
@@ -72,25 +80,130 @@ class ResponseFormat(BaseModel):
         "ignored otherwise."))
 
 
-class ChatMessage(BaseModel):
-    """One turn of a conversation in `messages`."""
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class WithOptionalFields(BaseModel):
+    """A message whose fields added after version 1 are left out of its JSON while
+    null, so its bytes stay what readers of version 1 (which refuse unknown fields)
+    accept."""
+
+    OMITTED_WHEN_NULL: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_null_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self.OMITTED_WHEN_NULL:
+                if data.get(name) is None:
+                    data.pop(name, None)
+        return data
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call (OpenAI's `tools[].function`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    name: FunctionName = Field(description=(
+        "The function's name: 1-64 letters, digits, '_', '.' or '-'."))
+    description: str | None = Field(default=None, description=(
+        "What the function does, for the model to decide when to call it."))
+    parameters: dict[str, Any] | None = Field(default=None, description=(
+        "The JSON Schema of its arguments (an object schema); null: no arguments. With "
+        "tool_choice required or a named function, the arguments are generated to fit it, "
+        "token by token."))
+    strict: bool | None = Field(default=None, description=(
+        "Accepted as OpenAI's API has it; a forced call's arguments always fit the schema."))
+
+
+class Tool(BaseModel):
+    """One tool of `tools`: a function (the only kind)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = Field(description='Always "function".')
+    function: FunctionDefinition = Field(description="The function.")
+
+
+class ToolChoiceFunction(BaseModel):
+    """Names the function a forced call must be to."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: FunctionName = Field(description="One of the tools' function names.")
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` forcing a call to one named function."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = Field(description='Always "function".')
+    function: ToolChoiceFunction = Field(description="The function to call.")
+
+
+class FunctionCall(BaseModel):
+    """The function a tool call calls, and with what."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="The function's name.")
+    arguments: str = Field(description="Its arguments: a JSON object, as a string.")
+
+
+class ToolCall(BaseModel):
+    """A call the model made (in a done event), or made earlier (in an assistant message
+    of the conversation)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=256, description=(
+        "The call's id; a tool message answering it names it in tool_call_id."))
+    type: Literal["function"] = Field(default="function", description='Always "function".')
+    function: FunctionCall = Field(description="What is called.")
+
+
+class ChatMessage(WithOptionalFields):
+    """One turn of a conversation in `messages`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    OMITTED_WHEN_NULL: ClassVar[tuple[str, ...]] = ("tool_calls", "tool_call_id", "name")
+
     role: Role = Field(description="Who speaks: system, user, assistant or tool.")
     # A string, or text parts (joined, as chat templates see a string).
-    content: str | list[TextPart] = Field(description=(
+    content: str | list[TextPart] | None = Field(default=None, description=(
         "The turn's text: a string, or a list of text parts that are joined into one "
-        "string before the chat template sees it."))
+        "string before the chat template sees it. May be null (or left out) only in an "
+        "assistant message with tool_calls."))
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=64, description=(
+        "In an assistant message: the calls it made. Rendered by the model's chat "
+        "template (or, for a template without tools, as the model's call format)."))
+    tool_call_id: str | None = Field(default=None, max_length=256, description=(
+        "In a tool message: the id of the call this message answers."))
+    name: str | None = Field(default=None, max_length=64, description=(
+        "In a tool message: the function whose result this is (optional)."))
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant "
+                             "message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
-class InferenceRequest(BaseModel):
+class InferenceRequest(WithOptionalFields):
     """One inference request. Exactly one of `messages`, `prompt`, `prompt_token_ids`.
 
     Topic `<prefix>.requests.<model>` (prefix SLUICE_TOPIC_PREFIX, default sluice);
@@ -106,6 +219,9 @@ class InferenceRequest(BaseModel):
     # Left out on the wire unless given: a worker then uses the model's own defaults
     # (generation_config.json), so "not said" must stay distinguishable from "0".
     OMITTED_UNLESS_SET: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k")
+    OMITTED_WHEN_NULL: ClassVar[tuple[str, ...]] = (
+        "tools", "tool_choice", "parallel_tool_calls", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos")
 
     v: Literal[1] = Field(default=1, description=_V)
     request_id: MessageId = Field(description=_REQUEST_ID + (
@@ -183,6 +299,43 @@ class InferenceRequest(BaseModel):
         "null (default): none."))
     response_format: ResponseFormat | None = Field(default=None, description=(
         "Constrain the answer to JSON (OpenAI's response_format). null: free text."))
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS,
+                                     description=(
+        "Functions the model may call (OpenAI's tools; up to 128), with messages only. "
+        "They reach the model's chat template as transformers passes them; calls come back "
+        "in the done event's tool_calls, with finish_reason tool_calls."))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description=(
+            "none: answer in text; auto (the default with tools): the model chooses text "
+            "or calls; required: at least one call; {\"type\": \"function\", \"function\": "
+            "{\"name\": ...}}: a call to that function. Forced calls (required, named) are "
+            "generated to fit the functions' parameter schemas, token by token."))
+    parallel_tool_calls: bool | None = Field(default=None, description=(
+        "With tool_choice required: true allows several calls in one answer; otherwise "
+        "one. (With auto the model's own output decides.)"))
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                           description=(
+        "OpenAI's presence penalty, -2 to 2: each token already generated loses this much "
+        "logit once. null: 0."))
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0,
+                                            allow_inf_nan=False, description=(
+        "OpenAI's frequency penalty, -2 to 2: each token already generated loses this much "
+        "logit per time it was generated. null: 0."))
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0,
+                                             allow_inf_nan=False, description=(
+        "transformers' repetition penalty, above 0 and at most 10: tokens of the prompt or "
+        "the output have positive logits divided by it, others multiplied. null: 1 (off)."))
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=1024, description=(
+            "OpenAI's logit_bias: token id (as a string) to a bias of -100 to 100 added to "
+            "its logit; up to 1024 of them. null: none."))
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT, description=(
+        "The end-of-sequence tokens are forbidden until this many tokens are generated "
+        "(stop strings still apply). null: 0."))
+    ignore_eos: bool | None = Field(default=None, description=(
+        "true: the model's end-of-sequence tokens do not end the answer (only max_tokens "
+        "and stop strings do). null: false."))
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> InferenceRequest:
@@ -197,7 +350,33 @@ class InferenceRequest(BaseModel):
                 "exactly one of messages, prompt or prompt_token_ids is required "
                 f"(found: {found})"
             )
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if self.tools is None:
+            if choice not in (None, "none"):
+                raise ValueError("tool_choice needs tools")
+            return
+        if self.messages is None:
+            raise ValueError("tools need messages (a chat), not prompt or prompt_token_ids")
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is "
+                             "not one of the tools")
+        wants_json = (self.response_format is not None
+                      and self.response_format.type != "text")
+        if wants_json and choice != "none":
+            raise ValueError("response_format and tools (unless tool_choice is none) cannot "
+                             "both constrain an answer: use one of them")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may be (or must be) tool calls."""
+        return self.tools is not None and self.tool_choice != "none"
 
     @property
     def partition_key(self) -> str:

@@ -23,11 +23,13 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import orjson
-import pydantic
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import KafkaAccessError
 from common.settings import Settings
@@ -36,6 +38,8 @@ from schemas import DoneEvent, ErrorEvent, ReplyEvent, TimeoutEvent, TokenEvent
 from sluice import openai_api as oai
 from sluice.client import Client
 from sluice.errors import InvalidRequestError, RequestTimeoutError, UnknownModelError
+from sluice.gateway_responses import ResponsesRoutes
+from sluice.openai_stream import ToolCallStream
 from sluice.readiness import registered_at, serving_workers
 
 log = logging.getLogger(__name__)
@@ -57,7 +61,7 @@ def _error(exc: oai.OpenAIError) -> Response:
     return _JSON(exc.body(), status_code=exc.status)
 
 
-class Gateway:
+class Gateway(ResponsesRoutes):
     def __init__(self, settings: Settings, instance_id: str | None = None):
         self.settings = settings
         self.instance_id = instance_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
@@ -65,14 +69,20 @@ class Gateway:
         self.client = Client(settings)
         self._checker: Any = None
         self._pool: Any = None
+        self._expiry: asyncio.Task[None] | None = None
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
-        ], lifespan=self._lifespan)
+        ], lifespan=self._lifespan, middleware=[Middleware(_RequestIds)],
+            exception_handlers={HTTPException: _http_error})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -92,9 +102,14 @@ class Gateway:
         self._pool = await create_pool(self.settings, max_size=2)
         self._checker = PermissionChecker(self._pool, notify_channel(self.settings.db_schema),
                                           call_timeout_s=self.settings.client.timeout_secs)
+        self._expiry = self.start_responses()
         log.info("gateway %s replies on %s", self.instance_id, self.reply_topic)
 
     async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
         await self.client.aclose()
         if self._pool is not None:
             await self._pool.close()
@@ -106,6 +121,11 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion", oai.CompletionBody)
+
+    async def embeddings(self, _request: Request) -> Response:
+        return _error(oai.OpenAIError(
+            404, "sluice serves text generation (chat completions, completions, responses), "
+            "not embeddings", "invalid_request_error", "unsupported_endpoint"))
 
     async def health(self, _request: Request) -> Response:
         """Liveness: the gateway answers (whatever its models' workers do)."""
@@ -180,10 +200,7 @@ class Gateway:
         streams: list[AsyncIterator[ReplyEvent]] = []
         try:
             key = self._api_key(request)
-            try:
-                body = body_type.model_validate(orjson.loads(await request.body()))
-            except (orjson.JSONDecodeError, pydantic.ValidationError) as exc:
-                raise oai.OpenAIError(400, f"invalid request body: {exc}") from None
+            body = oai.parse_body(body_type, await request.body())
             body.unserved(max_n=MAX_N)
             fields = body.fields()
             model, adapter = oai.split_model(body.model)
@@ -231,8 +248,10 @@ class Gateway:
             await _close_all(streams)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        tools = bool(fields.get("tools")) and fields.get("tool_choice") != "none"
         return StreamingResponse(
-            self._chunks(kind, request_id, firsts, streams, body.model, created, include_usage),
+            self._chunks(kind, request_id, firsts, streams, body.model, created, include_usage,
+                         tools),
             media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     async def _firsts(self, streams: list[AsyncIterator[ReplyEvent]]) -> list[ReplyEvent]:
@@ -303,11 +322,18 @@ class Gateway:
 
     async def _chunks(self, kind: oai.Kind, request_id: str, firsts: list[ReplyEvent],
                       streams: list[AsyncIterator[ReplyEvent]], model_id: str, created: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, tools: bool = False) -> AsyncIterator[bytes]:
         """Server-sent events of every choice, as their events come. Closing this early
-        (a disconnect) closes the streams, whose close sends the cancel records."""
+        (a disconnect) closes the streams, whose close sends the cancel records. With
+        tools, text that may be a call is held back and calls go out as tool_calls
+        deltas (`openai_stream`); with include_usage every chunk but the last has
+        `usage: null`, as OpenAI's do."""
         def sse(payload: dict[str, Any]) -> bytes:
+            if include_usage and "usage" not in payload and "error" not in payload:
+                payload["usage"] = None
             return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+        calls = [ToolCallStream() for _ in firsts] if tools and kind == "chat" else None
 
         queue: asyncio.Queue[tuple[int, ReplyEvent | Exception | None]] = asyncio.Queue()
 
@@ -341,13 +367,23 @@ class Gateway:
                 if item is None:
                     running -= 1
                 elif isinstance(item, TokenEvent):
-                    if item.text or item.logprobs:
+                    text = calls[index].push(item.text) if calls else item.text
+                    if text or item.logprobs:
                         yield sse(oai.chunk(kind, request_id, model_id, created,
-                                            text=item.text, logprobs=item.logprobs,
+                                            text=text, logprobs=item.logprobs,
                                             offset=offsets[index], index=index))
                     offsets[index] += len(item.text)
                 elif isinstance(item, DoneEvent):
                     dones.append(item)
+                    if calls:
+                        rest, pieces = calls[index].finish(item)
+                        if rest:
+                            yield sse(oai.chunk(kind, request_id, model_id, created, text=rest,
+                                                index=index))
+                        for call in pieces:
+                            for piece in call:
+                                yield sse(oai.chunk(kind, request_id, model_id, created,
+                                                    tool_call=piece, index=index))
                     yield sse(oai.chunk(kind, request_id, model_id, created,
                                         finish=oai.finish_reason(item), index=index))
                 elif isinstance(item, RequestTimeoutError):
@@ -401,3 +437,36 @@ async def serve(settings: Settings, host: str, port: int, instance_id: str | Non
         server.should_exit = True
         with contextlib.suppress(Exception):
             await task
+
+
+class _RequestIds:
+    """An `x-request-id` on every response: the caller's own when it sent one, else a
+    new one (quoted in errors, for support)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        request_id = given if given and len(given) <= 128 else f"req_{uuid.uuid4().hex}".encode()
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    """Unknown routes and methods as OpenAI's JSON error bodies (not plain text)."""
+    status = getattr(exc, "status_code", 500)
+    what = {404: "unknown route", 405: "method not allowed on this route"}.get(status,
+                                                                              str(exc))
+    return _error(oai.OpenAIError(status, f"{what}: {_request.method} {_request.url.path}",
+                                  "invalid_request_error", "not_found" if status == 404
+                                  else "method_not_allowed"))

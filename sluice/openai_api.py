@@ -4,30 +4,38 @@ Requests: `ChatCompletionBody` / `CompletionBody` (what OpenAI clients send) to
 the fields of an `InferenceRequest`; model ids are `MODEL` or `MODEL:ADAPTER`.
 Answers: a `done` event to a `chat.completion` / `text_completion` object, token
 events to stream chunks, sluice's error codes to OpenAI's status and error body.
-Fields sluice does not serve yet are refused by name (400), never ignored in
-silence: a request asking for tools or logprobs must not get an answer that
-looks like it honoured them.
+Fields sluice does not serve are refused by name (400), never ignored in
+silence: a request asking for something must not get an answer that looks like
+it honoured it. Tools and tool choice, penalties, logit_bias (and vLLM's
+min_tokens, ignore_eos, repetition_penalty) are served.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import DoneEvent, ErrorCode, TokenLogprob, TopLogprob
 
-# OpenAI fields sluice does not serve yet, and the value that means "not asked for".
-_UNSERVED_DEFAULTS: dict[str, Any] = {
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "logit_bias": None, "echo": False,
-    "best_of": None, "suffix": None, "audio": None, "modalities": None,
-    "prediction": None, "presence_penalty": 0, "frequency_penalty": 0,
+_B = TypeVar("_B", bound=BaseModel)
+
+# OpenAI fields sluice does not serve, and the values that mean "not asked for".
+_UNSERVED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "functions": (None,), "function_call": (None,), "echo": (False,),
+    "best_of": (None, 1), "suffix": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "store": (None, False), "service_tier": (None, "auto", "default"),
+    "verbosity": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
 }
-_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+_HINTS = {"functions": " (send `tools`)", "function_call": " (send `tool_choice`)",
+          "reasoning_effort": " (these models do not reason)"}
+_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop",
+                   "tool_calls": "tool_calls"}
 
 
 class OpenAIError(Exception):
@@ -60,7 +68,11 @@ _STATUS: dict[str, tuple[int, str]] = {
 
 
 def error_of(code: str, message: str) -> OpenAIError:
+    """A sluice error event as OpenAI's error (context_too_long is OpenAI's
+    context_length_exceeded, which clients look for to trim and retry)."""
     status, type_ = _STATUS.get(code, (500, "server_error"))
+    if code == ErrorCode.CONTEXT_TOO_LONG.value:
+        return OpenAIError(status, message, type_, "context_length_exceeded", "messages")
     return OpenAIError(status, message, type_, code)
 
 
@@ -85,16 +97,30 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions, served the same way
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
 
     def unserved(self, max_n: int = 1) -> None:
         """Refuse (400) fields asked for that sluice does not serve (here: `n` above
-        `max_n`)."""
-        extra = self.model_extra or {}
-        for name, value in extra.items():
-            if name in _UNSERVED_DEFAULTS and value not in (_UNSERVED_DEFAULTS[name], None):
-                raise OpenAIError(400, f"`{name}` is not supported by sluice yet", param=name)
+        `max_n`), and `stream_options` without `stream` (as OpenAI does)."""
+        for name, value in (self.model_extra or {}).items():
+            if name not in _UNSERVED_DEFAULTS:
+                raise OpenAIError(400, f"Unrecognized request argument supplied: {name}",
+                                  param=name)
+            if value in _UNSERVED_DEFAULTS[name]:
+                continue
+            hint = _HINTS.get(name, "")
+            raise OpenAIError(400, f"`{name}` is not supported by sluice{hint}", param=name)
         if self.n > max_n:
             raise OpenAIError(400, f"`n` may be at most {max_n} here", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "`stream_options` is only allowed with `stream: true`",
+                              param="stream_options")
 
     def common_fields(self, max_tokens: int | None) -> dict[str, Any]:
         fields: dict[str, Any] = {}
@@ -106,6 +132,13 @@ class _Body(BaseModel):
                 fields[name] = value
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        for name in ("presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        if self.logit_bias:
+            fields["logit_bias"] = self.logit_bias
         metadata = dict(self.metadata or {})
         if self.user is not None:
             metadata["user"] = self.user
@@ -120,6 +153,9 @@ class ChatCompletionBody(_Body):
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def unserved(self, max_n: int = 1) -> None:
         super().unserved(max_n)
@@ -138,6 +174,14 @@ class ChatCompletionBody(_Body):
             fields["logprobs"] = self.top_logprobs or 0
         if self.response_format is not None and self.response_format.get("type") != "text":
             fields["response_format"] = self.response_format  # enforced by the worker
+        if self.tools:  # checked by the wire schema (sluice's own is OpenAI's)
+            fields["tools"] = self.tools
+            if self.tool_choice is not None:
+                fields["tool_choice"] = self.tool_choice
+            if self.parallel_tool_calls is not None:
+                fields["parallel_tool_calls"] = self.parallel_tool_calls
+        elif self.tool_choice not in (None, "none"):
+            raise OpenAIError(400, "`tool_choice` needs `tools`", param="tool_choice")
         return fields
 
 
@@ -163,7 +207,8 @@ class CompletionBody(_Body):
 
 
 def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
-    """One OpenAI message as sluice's: role and content (string or text parts)."""
+    """One OpenAI message as sluice's: role and content (string or text parts), an
+    assistant's tool calls, a tool message's call id."""
     role = message.get("role")
     if role == "developer":  # OpenAI's newer name for the system role
         role = "system"
@@ -184,7 +229,47 @@ def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise OpenAIError(400, f"messages[{index}].content must be a string or a list of "
                           "text parts", param=f"messages[{index}].content")
-    return {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": (c.get("function") or {}).get("name"),
+                                           "arguments": _arguments_text(c)}}
+                             for c in message["tool_calls"] if isinstance(c, dict)]
+        if not content:
+            out["content"] = None
+    if role == "tool":
+        out["tool_call_id"] = message.get("tool_call_id")
+    if message.get("name") is not None and role == "tool":
+        out["name"] = message["name"]
+    return out
+
+
+def _arguments_text(call: dict[str, Any]) -> str:
+    """A tool call's arguments as OpenAI's JSON string (some clients send an object)."""
+    arguments = (call.get("function") or {}).get("arguments")
+    if isinstance(arguments, str):
+        return arguments
+    return orjson.dumps(arguments if arguments is not None else {}).decode()
+
+
+def parse_body(body_type: type[_B], raw: bytes) -> _B:
+    """The request body as `body_type`, or OpenAI's 400 naming the first bad field
+    (`param`) in plain words."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return body_type.model_validate(data)
+    except pydantic.ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        param = ".".join(str(part) for part in errors[0]["loc"]) or None
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+            f"{str(e['msg']).removeprefix('Value error, ')}" for e in errors)
+        raise OpenAIError(400, f"invalid request: {problems}", param=param) from None
 
 
 def split_model(model_id: str) -> tuple[str, str | None]:
@@ -223,6 +308,15 @@ def finish_reason(done: DoneEvent) -> str:
     return _FINISH_REASONS.get(done.finish_reason, "stop")
 
 
+def assistant_message(done: DoneEvent) -> dict[str, Any]:
+    """The answer as an OpenAI assistant message: text, or tool calls (with the text
+    around them as content, null when there is none)."""
+    if not done.tool_calls:
+        return {"role": "assistant", "content": done.text, "refusal": None}
+    return {"role": "assistant", "content": done.content or None, "refusal": None,
+            "tool_calls": [c.model_dump() for c in done.tool_calls]}
+
+
 def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """OpenAI's chat `logprobs`: per token its text, bytes, logprob and alternatives."""
     if logprobs is None:
@@ -257,8 +351,7 @@ def chat_completion(done: DoneEvent | list[DoneEvent], model_id: str,
     return {
         "id": f"chatcmpl-{request_id or dones[0].request_id}", "object": "chat.completion",
         "created": created, "model": model_id, "system_fingerprint": None,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": d.text,
-                                             "refusal": None},
+        "choices": [{"index": i, "message": assistant_message(d),
                      "logprobs": chat_logprobs(d.logprobs),
                      "finish_reason": finish_reason(d)} for i, d in enumerate(dones)],
         "usage": usage(dones),
@@ -284,14 +377,17 @@ Kind = Literal["chat", "completion"]
 def chunk(kind: Kind, request_id: str, model_id: str, created: int, *, text: str | None = None,
           role: bool = False, finish: str | None = None,
           logprobs: list[TokenLogprob] | None = None, offset: int = 0,
-          index: int = 0) -> dict[str, Any]:
-    """One streamed chunk: a piece of text (with the role, first), or the finish."""
+          index: int = 0, tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk: a piece of text (with the role, first), a piece of a tool
+    call, or the finish."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         choice: dict[str, Any] = {"index": index, "delta": delta,
                                   "logprobs": chat_logprobs(logprobs),
                                   "finish_reason": finish}

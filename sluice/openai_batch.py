@@ -25,7 +25,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from schemas import DoneEvent, ErrorEvent, TimeoutEvent
+from schemas import DoneEvent, ErrorEvent, InferenceRequest, TimeoutEvent
 from sluice import openai_api as oai
 from sluice.batch import LineResult, Send, Terminal, read_lines
 from sluice.errors import InvalidRequestError
@@ -102,6 +102,10 @@ def prepare(line: dict[str, Any], model_id: str) -> Prepared | Refused:
         return Refused("invalid_request", exc.message)
     if adapter is not None:
         fields["adapter"] = adapter
+    try:  # the wire's own checks (tools, penalties, ...), before anything is sent
+        InferenceRequest.model_validate({**fields, "request_id": "check", "model": base})
+    except pydantic.ValidationError as exc:
+        return Refused("invalid_request", f"invalid request body: {_problems(exc)}")
     # As the gateway: the turns of one conversation share a key, so a worker's KV cache.
     fields["session_id"] = oai.session_key(body.model, fields, None)
     return Prepared(kind, body.model, fields)

@@ -19,12 +19,13 @@ from typing import Any
 from batcher import types as bt
 from batcher.engine import Engine
 from batcher.errors import EngineClosedError
+from common import tool_formats
 from gpu_runtime import SamplingDefaults, SamplingParams
 from ingest.verdicts import Admitted, Cancel, DeadLettered, Refused, Verdict
 from results.detokenize import IncrementalDecoder
 from results.inflight import InFlight
 from results.writer import ResultWriter
-from schemas import ErrorCode, Timing
+from schemas import ErrorCode, InferenceRequest, NamedToolChoice, Timing
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +161,17 @@ class Router:
             request=req, topic_partition=admitted.tp, offset=admitted.offset,
             reply_topic=admitted.reply_topic, attempt=admitted.attempt,
             arrival_time=admitted.arrival_time, max_ttft_ms=admitted.max_ttft_ms,
-            decoder=IncrementalDecoder(self._tokenizer_of(), []),  # type: ignore[arg-type]
+            decoder=IncrementalDecoder(self._tokenizer_of(), [],  # type: ignore[arg-type]
+                                       stops=tuple(req.stop)),
             num_prompt_tokens=len(admitted.token_ids), chat=admitted.chat,
             tenant=admitted.tenant, key_digest=admitted.key_digest, epoch=admitted.epoch,
+            tool_format=admitted.tool_format,
         )
         grammar = None
-        if req.response_format is not None and req.response_format.type != "text":
+        spec = _constraint(req, admitted.tool_format)
+        if spec is not None:
             try:  # compiled off the loop (a new schema: milliseconds; then cached)
-                grammar = await asyncio.to_thread(
-                    self._grammar_of, req.response_format.model_dump(by_alias=True,
-                                                                     exclude_none=True))
+                grammar = await asyncio.to_thread(self._grammar_of, spec)
             except Exception as exc:
                 await self._writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
                 return
@@ -181,6 +183,11 @@ class Router:
             top_p=req.top_p if "top_p" in given else defaults.top_p,
             top_k=req.top_k if "top_k" in given else defaults.top_k,
             seed=req.seed, stop=tuple(req.stop), logprobs=req.logprobs, grammar=grammar,
+            ignore_eos=bool(req.ignore_eos), min_tokens=req.min_tokens or 0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
         )
         if not self._owns(admitted.tp, admitted.epoch):  # revoked while it was prepared
             return
@@ -197,6 +204,24 @@ class Router:
         except Exception as exc:
             await self._held.release(key)
             await self._writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
+
+
+def _constraint(req: InferenceRequest, tool_format: str | None) -> dict[str, Any] | None:
+    """What the answer is generated to fit, as `Grammars.compile` takes it: a forced tool
+    call (tool_choice required, or a named function) in the model's call format, or
+    response_format's JSON; None for free text."""
+    choice = req.tool_choice
+    if req.tools is not None and tool_format is not None and (
+            choice == "required" or isinstance(choice, NamedToolChoice)):
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+        several = choice == "required" and req.parallel_tool_calls is True
+        return {"type": "lark", "grammar": tool_formats.grammar(
+            tool_format, functions, several)}  # type: ignore[arg-type]
+    if req.response_format is not None and req.response_format.type != "text":
+        return req.response_format.model_dump(by_alias=True, exclude_none=True)
+    return None
 
 
 OnDone = Callable[[InFlight, bt.Finished], None]

@@ -192,9 +192,10 @@ async def test_openai_client_through_the_gateway(settings, tiny_model, tmp_path)
                 await api.chat.completions.create(model="ghost", messages=messages)
             with pytest.raises(openai.NotFoundError):
                 await api.chat.completions.create(model="tiny:ghost", messages=messages)
-            with pytest.raises(openai.BadRequestError, match="tools"):
-                await api.chat.completions.create(model="tiny", messages=messages, tools=[{
-                    "type": "function", "function": {"name": "f", "parameters": {}}}])
+            with pytest.raises(openai.BadRequestError, match="reasoning_effort") as refused:
+                await api.chat.completions.create(model="tiny", messages=messages,
+                                                  reasoning_effort="high")
+            assert refused.value.param == "reasoning_effort"
 
             # A client that goes away mid-stream: the worker stops its request.
             stream = await api.chat.completions.create(
