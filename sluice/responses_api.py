@@ -26,8 +26,10 @@ from sluice.openai_api import OpenAIError
 # Fields accepted with only their "not asked for" values.
 _ONLY: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "truncation": (None, "disabled", "auto"),
-    "service_tier": (None, "auto", "default"), "reasoning": (None, {}, {"effort": None},
-                                                           {"effort": None, "summary": None}),
+    "service_tier": (None, "auto", "default"),
+    # these models do not reason: only "no reasoning" can be honoured
+    "reasoning": (None, {}, {"effort": None}, {"effort": "none"},
+                  {"effort": None, "summary": None}, {"effort": "none", "summary": None}),
     "include": (None, []), "prompt": (None,), "conversation": (None,),
     "prompt_cache_key": (None,), "safety_identifier": (None,), "top_logprobs": (None, 0),
     "max_tool_calls": (None,), "stream_options": (None,),
@@ -62,6 +64,10 @@ class ResponsesBody(BaseModel):
                 raise OpenAIError(400, f"`{name}` is not supported by sluice", param=name)
         if not self.input and self.previous_response_id is None:
             raise OpenAIError(400, "`input` is required", param="input")
+        for name, value in (self.text or {}).items():
+            if name != "format" and value is not None:
+                raise OpenAIError(400, f"`text.{name}` is not supported by sluice",
+                                  param=f"text.{name}")
 
     def fields(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
         """The sluice request fields: the conversation (`earlier` messages, then this
