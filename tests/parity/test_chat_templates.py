@@ -191,3 +191,86 @@ def test_template_sources_and_their_errors(tmp_path) -> None:
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}", "t")
     with pytest.raises(ChatTemplateError):
         sandboxed.render([])
+
+
+# A template that renders tools, in the manner of the hermes/Qwen 2.5 family.
+HERMES_TOOLS_STYLE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- 'You may call functions. Signatures:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nReply with <tool_call>\\n{\"name\": ..., \"arguments\": ...}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{{- call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "description": "The time."}},
+]
+
+
+def test_tools_and_calls_render_as_apply_chat_template(smol, tmp_path) -> None:
+    """A tool-aware template gets the tools, the assistant's earlier calls (arguments as
+    objects) and the tool results exactly as transformers hands them over."""
+    from transformers import AutoTokenizer
+
+    model_dir = _style_dir(smol, tmp_path / "hermes", special=[],
+                           config={"eos_token": "<|im_end|>",
+                                   "chat_template": HERMES_TOOLS_STYLE})
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+    wire = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris, and the time?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "14:05"}]
+    # transformers' documented shape: arguments as objects
+    hf_messages = [dict(m) for m in wire]
+    hf_messages[2] = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {
+            "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in calls]}
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    for messages_wire, messages_hf in ((wire[:2], hf_messages[:2]), (wire, hf_messages)):
+        expected = hf.apply_chat_template(messages_hf, tools=WEATHER_TOOLS,
+                                          add_generation_prompt=True)
+        expected = list(expected["input_ids"] if not isinstance(expected, list) else expected)
+        builder = _builder(model_dir)
+        request = InferenceRequest(request_id="r", model="m", messages=messages_wire,
+                                   tools=WEATHER_TOOLS)
+        prompt = builder.build(request)
+        assert prompt.token_ids == expected, hf.decode(expected)
+        assert prompt.tool_format == "hermes"  # the template's own call format, detected
+        text = hf.decode(expected)
+        assert "<tools>" in text and '"get_weather"' in text  # the tools reached the template
+    assert '"arguments": {"city": "Paris", "unit": "c"}' in text and "18 C, clear" in text
