@@ -25,6 +25,14 @@ own HTTP client), in the same process and event loop.
 Then the same without streaming: `Client.complete` vs
 `completions.create(stream=False)`, fewer requests.
 
+Then tool calls: `chat.completions.create` with one function tool and
+`tool_choice: "required"` (the call forced by its grammar, its arguments fitting
+the function's schema) beside the same messages without tools, alternating
+request by request. Both end-to-end latency and the time per output token are
+reported (a forced call ends when its JSON closes, a plain answer at
+`max_tokens`), the first call's extra (its grammar compiled, then cached), and
+every call is parsed: its `arguments` must be JSON that fits the schema.
+
 Everything (worker, SDK, gateway, `openai` client) shares one process and one
 event loop, as in `kafka`: on a machine with few cores the gateway's parsing
 and serialising compete with the worker for the same thread.
@@ -39,6 +47,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+
+import orjson
 
 from infra.common import free_port
 from schemas import DoneEvent, TokenEvent
@@ -154,6 +164,83 @@ async def _gateway_complete(api: Any, prompt: str, max_tokens: int) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+# The forced call's function: a short enum and a bounded string, so the tiny model's
+# arguments end within max_tokens.
+_WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}}
+
+
+async def _chat(api: Any, prompt: str, max_tokens: int,
+                tools: bool) -> tuple[float, int, str | None]:
+    """(end-to-end ms, completion tokens, a problem with the call or None) of one chat
+    completion, with the forced tool call or without tools."""
+    extra: dict[str, Any] = ({"tools": [_WEATHER_TOOL], "tool_choice": "required"}
+                             if tools else {})
+    start = time.perf_counter()
+    answer = await api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0, **extra)
+    elapsed = (time.perf_counter() - start) * 1000
+    tokens = answer.usage.completion_tokens if answer.usage else 0
+    if not tools:
+        return elapsed, tokens, None
+    choice = answer.choices[0]
+    calls = choice.message.tool_calls or []
+    if choice.finish_reason != "tool_calls" or len(calls) != 1:
+        return elapsed, tokens, f"finish_reason {choice.finish_reason}, {len(calls)} calls"
+    try:
+        arguments = orjson.loads(calls[0].function.arguments)
+    except orjson.JSONDecodeError as exc:
+        return elapsed, tokens, f"arguments are not JSON: {exc}"
+    if (calls[0].function.name != "get_weather" or set(arguments) != {"city", "unit"}
+            or arguments["unit"] not in ("c", "f") or not isinstance(arguments["city"], str)
+            or len(arguments["city"]) > 12):
+        return elapsed, tokens, f"the call does not fit the schema: {arguments}"
+    return elapsed, tokens, None
+
+
+async def _tool_calls(api: Any, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    first_call, _, problem = await _chat(api, prompts[0], max_tokens, tools=True)
+    if problem is not None:
+        raise RuntimeError(f"the first tool call failed: {problem}")
+    await _chat(api, prompts[0], max_tokens, tools=False)
+    runs: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
+    problems: list[str] = []
+    for i, prompt in enumerate(prompts[1:]):
+        for tools in ((True, False) if i % 2 == 0 else (False, True)):
+            elapsed, tokens, problem = await _chat(api, prompt, max_tokens, tools)
+            runs[tools].append((elapsed, tokens))
+            if problem is not None:
+                problems.append(problem)
+
+    def figures(rows: list[tuple[float, int]]) -> dict[str, Any]:
+        per_token = [ms / max(1, n) for ms, n in rows]
+        return {"end_to_end": latency_figures([ms for ms, _ in rows]),
+                "completion_tokens_mean": figure(sum(n for _, n in rows) / len(rows),
+                                                 "tokens", 1),
+                "ms_per_output_token_p50": figure(percentile(per_token, 0.5), "ms", 2)}
+
+    called, plain = figures(runs[True]), figures(runs[False])
+    median_call = percentile([ms for ms, _ in runs[True]], 0.5)
+    return {
+        "forced_tool_call": called,
+        "plain_chat": plain,
+        "first_call_end_to_end": figure(first_call, "ms", 1),
+        "first_call_over_median_call": ratio(first_call, median_call),
+        "ratio_ms_per_output_token_call_over_plain": ratio(
+            percentile([ms / max(1, n) for ms, n in runs[True]], 0.5),
+            percentile([ms / max(1, n) for ms, n in runs[False]], 0.5)),
+        "calls_not_fitting_the_schema": figure(len(problems), "requests", 0),
+        "problems": problems[:5],
+        "workload": f"{len(prompts) - 1} chat prompts each with tools=[get_weather] and "
+                    f"tool_choice required and without tools, alternating, max_tokens "
+                    f"{max_tokens}, greedy, not streamed",
+    }
+
+
 async def _health_round_trips(http: Any, base_url: str, count: int) -> list[float]:
     out = []
     for i in range(count + 1):
@@ -185,7 +272,9 @@ async def bench_gateway(served: Served, device: str,
 
     count, max_tokens = (16, 8) if quick else (120, 16)
     unary_count = 8 if quick else 40
+    tool_count = 6 if quick else 30
     prompts = _prompts(count + unary_count + 1, seed=13)
+    tool_prompts = ["What is the weather like in " + p for p in _prompts(tool_count + 1, 17)]
     sdk: dict[str, list[float]] = {"ttft": [], "e2e": [], "cached": []}
     gw: dict[str, list[float]] = {"ttft": [], "e2e": [], "cached": [], "headers": []}
     unary: dict[str, list[float]] = {"sdk": [], "gateway": []}
@@ -225,6 +314,7 @@ async def bench_gateway(served: Served, device: str,
                                                            max_tokens))
                 else:
                     unary[path].append(await _gateway_complete(api, prompt, max_tokens))
+        tool_calls = await _tool_calls(api, tool_prompts, 160)
         hops = await _health_round_trips(http, base_url, 10 if quick else 50)
 
     added_p50 = _added(gw["ttft"], sdk["ttft"], 0.5)
@@ -251,6 +341,7 @@ async def bench_gateway(served: Served, device: str,
             "ratio_p50_gateway_over_sdk": ratio(percentile(unary["gateway"], 0.5),
                                                 percentile(unary["sdk"], 0.5)),
         },
+        "tool_calls": tool_calls,
         "checks": {
             "answers_differing_from_sdk": figure(mismatches, "requests", 0),
             "mean_cached_prompt_tokens_sdk": figure(sum(sdk["cached"]) / count, "tokens", 1),
