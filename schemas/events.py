@@ -133,8 +133,8 @@ class DoneEvent(_Event, WithOptionalFields):
         "calls in tool_calls."))
     text: str = Field(description=(
         "All generated text. A stop string is never part of it. With stream true, the "
-        "texts of the token events joined. With tool_calls, the text around the calls "
-        "(often empty)."))
+        "texts of the token events joined. With tool_calls, the calls as the model wrote "
+        "them are part of it (content has the text without them)."))
     tool_calls: list[ToolCall] | None = Field(default=None, description=(
         "The calls the model made (a request with tools), parsed from its output in the "
         "model's own call format; null when it made none."))
