@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import random
 import signal
@@ -211,7 +212,16 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path, model_dir: Path,
                 await workers.wait_serving(replica)
             say(f"{cfg.workers} workers serve; {cfg.requests} requests at "
                 f"{cfg.rate_per_s:g}/s with {cfg.faults} faults (seed {cfg.seed})")
-            await _load_with_faults(cfg, settings, client, key, workers, infra, report, say)
+            # asyncpg logs every failed reconnect with a traceback: expected here, where
+            # the database is restarted on purpose (the faults are listed in the report)
+            pool_log = logging.getLogger("asyncpg.pool")
+            level = pool_log.level
+            pool_log.setLevel(logging.ERROR)
+            try:
+                await _load_with_faults(cfg, settings, client, key, workers, infra, report,
+                                        say)
+            finally:
+                pool_log.setLevel(level)
         finally:
             await client.aclose()
         workers.stop_all()
@@ -248,6 +258,7 @@ async def _load_with_faults(cfg: ChaosConfig, settings: Settings, client: Client
     faults = asyncio.create_task(_faults(cfg, rng, starts, kinds, t0, settings, workers, infra,
                                          report, say))
     tasks: list[asyncio.Task[None]] = []
+    cancels: list[asyncio.Task[None]] = []
     for i in range(cfg.requests):
         delay = t0 + i / cfg.rate_per_s - time.monotonic()
         if delay > 0:
@@ -262,12 +273,12 @@ async def _load_with_faults(cfg: ChaosConfig, settings: Settings, client: Client
             [rng.randrange(3, 200) for _ in range(rng.randrange(3, 12))],
             rng.randint(*cfg.max_tokens), cfg.request_timeout_s)))
         if sent.cancelled:
-            tasks.append(asyncio.create_task(_cancel_later(
+            cancels.append(asyncio.create_task(_cancel_later(
                 client, key, sent.request_id, session, rng.uniform(0.05, 1.0))))
         if (i + 1) % max(1, cfg.requests // 10) == 0:
-            say(f"  {i + 1} sent, {sum(t.done() for t in tasks)} answered")
+            say(f"  {i + 1} sent, {sum(t.done() for t in tasks)} ended")
     await faults
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks, *cancels)
     stop_sampling.set()
     await sampler
     windows = [(f.at_s, (f.ended_s or f.at_s) + SESSION_TIMEOUT_S) for f in report.faults]
