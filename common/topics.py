@@ -172,6 +172,12 @@ async def committed_of(client_of: object, group_id: str, topic: str,
     of its coordinator through an aiokafka client already connected (a producer's, a
     consumer's); None when it committed nothing. Raises what the broker answers (e.g.
     GroupAuthorizationFailedError for a principal that may not describe the group)."""
+    return (await committed_and_coordinator(client_of, group_id, topic, partition))[0]
+
+
+async def committed_and_coordinator(client_of: object, group_id: str, topic: str,
+                                    partition: int) -> tuple[tuple[int, str] | None, int]:
+    """`committed_of`, and the node id of the coordinator that answered."""
     from aiokafka.protocol.commit import OffsetFetchRequest
 
     client = getattr(client_of, "client", None) or client_of._client  # type: ignore[attr-defined]
@@ -185,5 +191,5 @@ async def committed_of(client_of: object, group_id: str, topic: str,
             if name == topic and number == partition:
                 if error_code:
                     raise for_code(error_code)(f"committed offset of {topic}/{partition}")
-                return None if offset < 0 else (offset, metadata or "")
-    return None
+                return (None if offset < 0 else (offset, metadata or "")), node
+    return None, node

@@ -21,7 +21,8 @@ Then every record of the reply topic is read (`read_committed`, and
 - per attempt with a `done`, the token events' texts (by seq) add up to its text
   (streamed requests, cancelled ones included);
 - the committed offsets of the model's consumer group, sampled all along, never
-  go backwards.
+  go backwards (a new coordinator's brief stale answer after its broker took over
+  is counted apart: `OffsetWatch`).
 
 `run_chaos` returns the report (histogram of terminal events per request, the
 violations, latencies in calm and fault windows, the faults with their times);
@@ -50,7 +51,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from common.settings import Settings
-from common.topics import committed_of, partitions_of
+from common.topics import committed_and_coordinator, partitions_of
 from infra import kafka_broker, local, postgres
 from infra.common import InfraConfig, free_port, port_in_use
 from sluice.bench.harness import latency_figures, percentile
@@ -59,6 +60,9 @@ from sluice.client import Client
 MODEL = "chaos"
 TERMINAL = {"done", "error", "timeout"}
 SESSION_TIMEOUT_S = 10.0  # the workers' consumer session (ingest.consumer)
+# How long a coordinator that just took over may answer from behind (see
+# OffsetWatch) before a lower commit point counts as a rewind.
+STALE_READ_GRACE_S = 5.0
 Say = Callable[[str], None]
 
 
@@ -109,6 +113,7 @@ class ChaosReport:
     terminal_histogram: dict[int, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     offset_samples: int = 0
+    stale_offset_reads: list[str] = field(default_factory=list)
     num_records: int = 0
     calm_latency_s: list[float] = field(default_factory=list)
     fault_latency_s: list[float] = field(default_factory=list)
@@ -125,7 +130,9 @@ class ChaosReport:
                                             sorted(self.terminal_histogram.items())},
             "violations": len(self.violations), "first_violations": self.violations[:20],
             "faults": [dataclasses.asdict(f) for f in self.faults],
-            "offset_samples": self.offset_samples, "reply_records": self.num_records,
+            "offset_samples": self.offset_samples,
+            "stale_offset_reads": self.stale_offset_reads,
+            "reply_records": self.num_records,
             "end_to_end_calm": ms(self.calm_latency_s),
             "end_to_end_during_faults": ms(self.fault_latency_s),
             "wall_s": round(self.wall_s, 1),
@@ -378,13 +385,64 @@ async def _a_leader(settings: Settings, infra: InfraConfig) -> tuple[int, int]:
     raise RuntimeError(f"no live leader among {leaders}")
 
 
+class OffsetWatch:
+    """Commit points read over time, per partition: a value lower than one seen before
+    is a rewind (a stale member's commit).
+
+    One exception, Kafka's and not a rewind: a group coordinator that has just taken
+    over a `__consumer_offsets` partition (its leader killed) answers OffsetFetch from
+    its state as of its own high watermark, which trails the old leader's until the
+    surviving replica fetches from it, so for a moment it may report a commit point the
+    old one had moved past (the commit is not lost: it is back once the high watermark
+    passes it). A lower value read from another coordinator than the one that reported
+    the higher, and back at or above the higher within STALE_READ_GRACE_S, is counted
+    as a stale read; one that stays lower, or comes from the same coordinator, is a
+    rewind. (What a stale read could do to a worker that reads its offsets in that
+    moment, a repeated answer, the terminal-event check sees.)"""
+
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.highest: dict[int, tuple[int, str, int]] = {}  # partition: offset, meta, node
+        self.lower: dict[int, tuple[float, int, str, int]] = {}  # the first lower read
+        self.rewinds: list[str] = []
+        self.stale_reads: list[str] = []
+
+    def observe(self, partition: int, offset: int, meta: str, node: int, now: float) -> None:
+        high = self.highest.get(partition)
+        if high is not None and offset < high[0]:
+            if node == high[2]:
+                self._rewind(partition, now, offset, meta, node)
+            elif partition not in self.lower:
+                self.lower[partition] = (now, offset, meta, node)
+            elif now - self.lower[partition][0] > STALE_READ_GRACE_S:
+                self._rewind(partition, *self.lower.pop(partition))
+            return
+        if high is not None and partition in self.lower:  # caught up: it was stale
+            at, low, _meta, low_node = self.lower.pop(partition)
+            self.stale_reads.append(
+                f"partition {partition}: {low} instead of {high[0]} from coordinator "
+                f"{low_node} for {now - at:.1f} s, {at - self.began:.1f} s into the run")
+        self.highest[partition] = (offset, meta, node)
+
+    def close(self) -> None:
+        """The end of the run: a lower value never caught up with is a rewind."""
+        for partition, read in sorted(self.lower.items()):
+            self._rewind(partition, *read)
+        self.lower.clear()
+
+    def _rewind(self, partition: int, at: float, offset: int, meta: str, node: int) -> None:
+        high = self.highest[partition]
+        self.rewinds.append(
+            f"the committed offset of partition {partition} went back from {high[0]} to "
+            f"{offset} ({meta!r}, coordinator {node}; {high[0]} from coordinator {high[2]}), "
+            f"{at - self.began:.1f} s into the run")
+
+
 async def _sample_offsets(settings: Settings, report: ChaosReport, stop: asyncio.Event) -> None:
-    """The model group's committed offsets every 200 ms: a value lower than one seen
-    before is a rewind (a stale member's commit)."""
+    """The model group's committed offsets every 200 ms, watched (`OffsetWatch`)."""
     group, topic = settings.topic(MODEL), settings.requests_topic(MODEL)
     consumer = AIOKafkaConsumer(**settings.kafka_options(), enable_auto_commit=False)
-    highest: dict[int, int] = {}
-    began = time.monotonic()
+    watch = OffsetWatch(time.monotonic())
     with contextlib.suppress(Exception):
         await consumer.start()
     try:
@@ -395,20 +453,17 @@ async def _sample_offsets(settings: Settings, report: ChaosReport, stop: asyncio
             try:
                 partitions = await partitions_of(consumer, topic)
                 for partition in partitions:
-                    committed = await committed_of(consumer, group, topic, partition)
-                    if committed is None:
-                        continue
-                    offset = committed[0]
-                    if offset < highest.get(partition, -1):
-                        report.violations.append(
-                            f"the committed offset of partition {partition} went back from "
-                            f"{highest[partition]} to {offset} ({committed[1]!r}), "
-                            f"{time.monotonic() - began:.1f} s into the run")
-                    highest[partition] = max(offset, highest.get(partition, -1))
-                    report.offset_samples += 1
+                    committed, node = await committed_and_coordinator(consumer, group, topic,
+                                                                      partition)
+                    if committed is not None:
+                        watch.observe(partition, *committed, node, time.monotonic())
+                        report.offset_samples += 1
             except Exception:  # the broker away: sample again next time
                 continue
     finally:
+        watch.close()
+        report.violations.extend(watch.rewinds)
+        report.stale_offset_reads.extend(watch.stale_reads)
         with contextlib.suppress(Exception):
             await consumer.stop()
 
