@@ -363,6 +363,10 @@ class TPRunner:
     def compiled(self) -> CompiledStep | None:
         return self.local.compiled
 
+    @property
+    def last_inputs_s(self) -> float:
+        return self.local.last_inputs_s
+
     def warm_up(self) -> bool:
         """Every rank compiles its shard's graphs (their all-reduces run in step)."""
         return self.ranks.run(("warm_up",), self.local.warm_up)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,7 @@ class ModelRunner:
         self.kv_caches = [zeroed(shape, self.dtype, self.device) for _ in range(config.num_layers)]
         self.compiled = CompiledStep(model.forward) if compile else None
         self.step = self.compiled or model.forward
+        self.last_inputs_s = 0.0
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -187,7 +189,9 @@ class ModelRunner:
         Under tensor parallelism only rank 0 gets the full vocabulary (see
         `parallel.VocabParallelLMHead`); the other ranks' return value is unused.
         """
+        started = time.perf_counter()
         input_ids, ctx, last_rows = self.build_context(seqs)
+        self.last_inputs_s = time.perf_counter() - started  # read by the step clock
         hidden = self.step(input_ids, ctx)  # [T, hidden]
         if not rows_to_sample:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

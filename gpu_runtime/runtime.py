@@ -45,6 +45,7 @@ from gpu_runtime.sequence import (
     StepPlan,
 )
 from gpu_runtime.sequences import SequenceTable
+from gpu_runtime.step_clock import StepClock
 from gpu_runtime.stops import check_stop, load_tokenizer
 
 
@@ -96,6 +97,7 @@ class Runtime:
         self.tokenizer = load_tokenizer(model_path)
         self._grammars: Grammars | None = None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.clock = StepClock()  # where the steps' time went (`sluice bench overhead`)
 
     def close(self) -> None:
         """Stop the helper ranks (tp > 1); a no-op at tp=1. The runtime is unusable after."""
@@ -304,6 +306,7 @@ class Runtime:
         return work
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        started = time.perf_counter()
         work = self._check_plan(plan)
         if not work:
             return StepOutput([], {})
@@ -318,7 +321,9 @@ class Runtime:
             tokens = seq.token_ids[start : start + n]
             scheduled.append(ScheduledSeq(tokens, start, seq.block_table, slots[seq.adapter_key]))
         to_sample = [i for i, (seq, n) in enumerate(work) if n == seq.num_uncomputed]
+        planned = time.perf_counter()
         logits = self.runner.forward(scheduled, to_sample)  # [len(to_sample), vocab]
+        computed_at = time.perf_counter()
         for seq, n in work:
             self.table.computed(seq, n)
         computed = {seq.seq_id: seq.num_computed_tokens for seq, _ in work}
@@ -327,6 +332,12 @@ class Runtime:
         kept = None
         if plan.return_logits:
             kept = {s.seq_id: logits[i] for i, s in enumerate(sampled_seqs)}
+        clock, inputs_s = self.clock, getattr(self.runner, "last_inputs_s", 0.0)
+        clock.steps += 1
+        clock.plan_s += planned - started
+        clock.inputs_s += inputs_s
+        clock.model_s += computed_at - planned - inputs_s
+        clock.sample_s += time.perf_counter() - computed_at
         return StepOutput(outputs, computed, kept)
 
     def _sample_and_finish(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SeqOutput]:

@@ -30,15 +30,34 @@ def _startup(device: str, quick: bool) -> ScenarioResult:
     return asyncio.run(bench_startup(device, quick))
 
 
+def _overhead(device: str, quick: bool) -> ScenarioResult:
+    from sluice.bench.overhead import bench_overhead
+
+    return bench_overhead(device, quick)
+
+
+def _cpu(device: str, quick: bool) -> ScenarioResult:
+    from rich.console import Console
+
+    from sluice.bench.cpu_engines import bench_cpu_engines
+
+    console = Console(stderr=True)
+    return bench_cpu_engines(device, quick, say=lambda line: console.print(f"[dim]{line}[/]"))
+
+
 LOCAL: dict[str, LocalScenario] = {
     "runtime": bench_runtime_scenario,
     "adapters": bench_adapters_scenario,
     "sessions": bench_sessions,
     "deadlines": bench_deadlines_scenario,
     "startup": _startup,  # worker processes of its own on the broker and database
+    "overhead": _overhead,
 }
 BROKER = ("kafka", "bulk", "gateway")
 SCENARIOS = (*LOCAL, *BROKER)
+# Run only when named, never in `all`: minutes long, and beside an engine (llama.cpp)
+# that is an optional install.
+ALONE: dict[str, LocalScenario] = {"cpu": _cpu}
 TINY_SHAPE = ("sluice tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, inter 128, "
               "byte-level BPE vocab), float32, random weights")
 
@@ -91,16 +110,17 @@ def run_scenarios(scenario: str, device: str, quick: bool,
                   ) -> dict[str, ScenarioResult]:
     """Run one scenario, or every one for "all"; `on_done` hears of each as it ends."""
     names = list(SCENARIOS) if scenario == "all" else [scenario]
-    unknown = [n for n in names if n not in SCENARIOS]
+    local = {**LOCAL, **ALONE}
+    unknown = [n for n in names if n not in SCENARIOS and n not in ALONE]
     if unknown:
         raise ValueError(f"unknown scenario {unknown[0]!r}; choose from "
-                         f"{', '.join((*SCENARIOS, 'all', 'gpu'))}")
+                         f"{', '.join((*SCENARIOS, *ALONE, 'all', 'gpu'))}")
     results: dict[str, ScenarioResult] = {}
     for name in names:
-        if name in LOCAL:
+        if name in local:
             started = time.perf_counter()
             try:
-                results[name] = LOCAL[name](device, quick)
+                results[name] = local[name](device, quick)
             except Exception as exc:
                 results[name] = failed(exc, time.perf_counter() - started)
             on_done(name, results[name])

@@ -9,8 +9,8 @@ import typer
 
 from sluice.cli.common import fail, friendly_errors
 
-CHOICES = ("runtime", "adapters", "sessions", "deadlines", "startup", "kafka", "bulk", "gateway",
-           "all", "gpu", "chaos")
+CHOICES = ("runtime", "adapters", "sessions", "deadlines", "startup", "overhead", "kafka",
+           "bulk", "gateway", "all", "gpu", "chaos", "cpu")
 
 
 def register(app: typer.Typer) -> None:

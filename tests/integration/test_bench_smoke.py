@@ -46,6 +46,9 @@ EXPECTED: dict[str, list[str]] = {
     ],
     "startup": ["import_torch_s", "tiny.eager.first_token_s", "tiny.eager.serving_after_s",
                 "tiny.eager.load_s"],
+    "overhead": ["batch_1.step_cycle", "batch_1.model_forward", "batch_32.outside_forward_share",
+                 "batch_32.runtime_own.sampling_and_stops", "batch_32.engine_loop",
+                 "batch_32.event_path_beside_the_step"],
     "kafka": [
         "kafka_ttft.p50", "kafka_ttft.p99", "kafka_end_to_end.p50",
         "baseline_in_process_ttft.p50", "baseline_in_process_end_to_end.p99",
@@ -66,9 +69,11 @@ EXPECTED: dict[str, list[str]] = {
         "non_streaming.gateway.p50", "non_streaming.baseline_sdk_complete.p50",
         "non_streaming.added_p50", "checks.answers_differing_from_sdk",
         "limits.http_floor_p50", "ratios.ttft_p50_gateway_over_sdk",
+        "tool_calls.forced_tool_call.end_to_end.p50", "tool_calls.plain_chat.end_to_end.p50",
+        "tool_calls.calls_not_fitting_the_schema",
     ],
 }
-GOALS = {"runtime", "sessions", "deadlines", "kafka", "gateway"}
+GOALS = {"runtime", "sessions", "deadlines", "overhead", "kafka", "gateway"}
 
 
 def _app() -> typer.Typer:
