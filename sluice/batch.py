@@ -16,7 +16,9 @@ keeps priority.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import math
 import os
 import time
 import uuid
@@ -58,6 +60,7 @@ class BatchSummary:
     num_completion_tokens: int = 0
     seconds: float = 0.0
     invalid_lines: list[str] = field(default_factory=list)
+    peak_in_flight: int = 0  # the most requests in flight at once
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +89,7 @@ class BatchSummary:
             f"batch: {self.num_done} done, {self.num_errors} errors{unanswered}, {earlier} "
             f"of {self.num_lines} lines in {self.seconds:.1f} s; "
             f"{self.num_completion_tokens} tokens, {self.tokens_per_s:.1f} tokens/s"
+            + (f", up to {self.peak_in_flight} in flight" if self.peak_in_flight else "")
         )
 
 
@@ -164,6 +168,88 @@ def append_line(out: Any, line: dict[str, Any]) -> None:
     """One output line, flushed at once: a run killed midway loses nothing it wrote."""
     out.write(orjson.dumps(line) + b"\n")
     out.flush()
+
+
+class InFlightWindow:
+    """How many requests a bulk job keeps in flight.
+
+    Fixed when the caller says so (`--concurrency N`); else sized by Little's law from
+    the rate answers come back at: what the workers answer in a queue time of
+    QUEUE_FACTOR times the quickest answer of the last RATE_WINDOW_S (about one
+    request's own service time, without queueing), within QUEUE_S. Deep enough that
+    the workers' batches never run dry (their own backpressure keeps the rest waiting
+    on the topic), and no deeper: a longer queue only adds work per step and moves no
+    answer sooner, and no request waits anywhere near its deadline. It starts at
+    START and stays between FLOOR and CEILING."""
+
+    START = 256
+    FLOOR = 16
+    CEILING = 4096
+    QUEUE_FACTOR = 4.0
+    QUEUE_S = (2.0, 20.0)  # the queue time aimed at, at least and at most
+    RATE_WINDOW_S = 5.0
+
+    def __init__(self, fixed: int | None = None) -> None:
+        self.fixed = fixed
+        self.limit = fixed if fixed is not None else self.START
+        self._started = time.monotonic()
+        self._ends: collections.deque[float] = collections.deque()
+        # (when, took) with `took` increasing: the quickest of the window at its front
+        self._quickest: collections.deque[tuple[float, float]] = collections.deque()
+
+    def finished(self, now: float, took_s: float) -> None:
+        """One request answered at `now` (monotonic), `took_s` after it was sent."""
+        if self.fixed is not None:
+            return
+        since = now - self.RATE_WINDOW_S
+        self._ends.append(now)
+        while self._ends[0] < since:
+            self._ends.popleft()
+        while self._quickest and self._quickest[-1][1] >= took_s:
+            self._quickest.pop()
+        self._quickest.append((now, took_s))
+        while self._quickest[0][0] < since:
+            self._quickest.popleft()
+        observed = min(self.RATE_WINDOW_S, now - self._started)
+        if observed < 1.0:
+            return  # too early to tell a rate
+        rate = len(self._ends) / observed
+        quickest = self._quickest[0][1]
+        low, high = self.QUEUE_S
+        queue_s = max(low, min(high, self.QUEUE_FACTOR * quickest))
+        self.limit = max(self.FLOOR, min(self.CEILING, math.ceil(rate * queue_s)))
+
+
+async def run_window(items: Iterable[T], handle: Callable[[T], Awaitable[None]],
+                     window: InFlightWindow, summary: BatchSummary | None = None) -> None:
+    """`handle` every item, as many at once as `window.limit` says when each starts. The
+    first failure is raised as itself (the others are cancelled)."""
+    in_flight = 0
+    room = asyncio.Event()
+
+    async def run(item: T) -> None:
+        nonlocal in_flight
+        sent = time.monotonic()
+        try:
+            await handle(item)
+        finally:
+            in_flight -= 1
+            now = time.monotonic()
+            window.finished(now, now - sent)
+            room.set()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for item in items:
+                while in_flight >= window.limit:
+                    room.clear()
+                    await room.wait()
+                in_flight += 1
+                if summary is not None:
+                    summary.peak_in_flight = max(summary.peak_in_flight, in_flight)
+                group.create_task(run(item))
+    except BaseExceptionGroup as failed:  # the first failure, as itself
+        raise failed.exceptions[0] from None
 
 
 async def run_lanes(items: Iterable[T] | AsyncIterable[T],
@@ -285,14 +371,15 @@ class SluiceFormat:
 
 
 async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str,
-                    api_key: str | None, concurrency: int = 64,
+                    api_key: str | None, concurrency: int | None = None,
                     timeout_s: float | None = None, keep_errors: bool = False,
                     summary: BatchSummary | None = None,
                     on_progress: Callable[[int], None] | None = None,
                     on_total: Callable[[int], None] | None = None,
                     line_format: LineFormat | None = None) -> BatchSummary:
     """Run every line not yet answered; `summary` (if given) is kept up to date as
-    lines finish, so an interrupted caller can still say how far it got."""
+    lines finish, so an interrupted caller can still say how far it got. `concurrency`:
+    requests in flight at once; None sizes it from the answers' rate (`InFlightWindow`)."""
     line_format = line_format if line_format is not None else SluiceFormat()
     items, problems = line_format.read(in_path)
     summary = summary if summary is not None else BatchSummary()
@@ -342,7 +429,8 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
                 if on_progress is not None:
                     on_progress(1)
 
-            await run_lanes(todo, lambda item: one(*item), min(concurrency, len(todo)))
+            await run_window(todo, lambda item: one(*item), InFlightWindow(concurrency),
+                             summary)
     finally:
         summary.seconds = time.monotonic() - started
     return summary

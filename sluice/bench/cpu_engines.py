@@ -15,7 +15,9 @@ caches and threads never help or hinder the next; an engine whose process dies,
 e.g. on an instruction this VM traps, is reported as failed, not fatal):
 
 - greedy agreement: the first tokens each engine generates from the same chat
-  prompt, compared between sluice and llama.cpp at the same precision;
+  prompt, compared between sluice and llama.cpp at the same precision, and each
+  with transformers `generate` in that dtype (the reference: where two logits are
+  within rounding, engines at one precision may part at a near tie);
 - batch-1 decode tokens/s (after a 24-token prompt);
 - prefill tokens/s of a 512-token prompt (one step, the prefix cache cold);
 - total decode tokens/s with 8 and 32 sequences at once (sluice's continuous
@@ -120,6 +122,8 @@ def _dequantized_copy(source: Path, out: Path) -> None:
 def measure(engine: str, variant: str, path: str, threads: int, jobs: tuple[str, ...],
             prompt_ids: list[int]) -> dict[str, Any]:
     """Run `jobs` on one engine; returns {job: result}. Runs in a fresh process."""
+    if engine == "transformers":  # the reference: greedy tokens only
+        return {"greedy": _transformers_greedy(path, variant, threads, prompt_ids)}
     runner = (_SluiceRunner(path, variant, threads) if engine == "sluice"
               else _LlamaRunner(path, threads))
     out: dict[str, Any] = {}
@@ -135,6 +139,19 @@ def measure(engine: str, variant: str, path: str, threads: int, jobs: tuple[str,
         else:
             raise ValueError(job)
     return out
+
+
+def _transformers_greedy(path: str, dtype: str, threads: int, prompt: list[int]) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def _distinct(prompt: list[int], i: int, vocab: int) -> list[int]:
@@ -379,15 +396,24 @@ def bench_cpu_engines(device: str, quick: bool,
         first = runs[(engine, variant)][0] if runs[(engine, variant)] else {}
         return first.get("greedy")
 
+    def equal_run(a: list[int] | None, b: list[int] | None) -> dict[str, Any] | None:
+        if not a or not b:
+            return None
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        return figure(same, f"of {GREEDY_TOKENS} tokens equal before the first difference", 0)
+
     agreement: dict[str, Any] = {}
     comparisons: dict[str, Any] = {}
     for dtype, variant in SAME_PRECISION.items():
-        ours, theirs = greedy_of("sluice", dtype), greedy_of("llama.cpp", variant)
-        if ours and theirs:
-            same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
-                         if a != b), len(ours))
-            agreement[f"sluice_{dtype}_vs_llama_cpp_{variant}"] = figure(
-                same, f"of {GREEDY_TOKENS} tokens equal before the first difference", 0)
+        ours = greedy_of("sluice", dtype)
+        reference = _in_fresh_process(measure, "transformers", dtype, str(model_dir), threads,
+                                      ("greedy",), prompt_ids).get("greedy")
+        for name, other in ((f"llama_cpp_{variant}", greedy_of("llama.cpp", variant)),
+                            (f"transformers_{dtype}", reference)):
+            if (run := equal_run(ours, other)) is not None:
+                agreement[f"sluice_{dtype}_vs_{name}"] = run
+        if (run := equal_run(greedy_of("llama.cpp", variant), reference)) is not None:
+            agreement[f"llama_cpp_{variant}_vs_transformers_{dtype}"] = run
         pair = {}
         for job, label in (("decode_1", "decode_batch_1"), ("prefill", "prefill_512"),
                            *((f"decode_{b}", f"decode_{b}_sequences") for b in CONCURRENT)):

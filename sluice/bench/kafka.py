@@ -264,33 +264,63 @@ async def _bulk_in_process(engine: Engine, prompts: list[list[int]], max_tokens:
 
 
 async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) -> dict[str, Any]:
+    """Closed loop (a fixed number in flight on both paths), then open loop: every
+    prompt produced up front (`sluice batch --concurrency N` with N = all) and with
+    the default `auto` window, beside the same prompts submitted at once to an
+    in-process engine."""
     from sluice.batch import run_batch
 
     count, max_tokens, concurrency = (128, 8, 32) if quick else (400, 16, 64)
-    prompts = _prompts(count, _vocab(served.model_dir), seed=23)
-    in_path = workdir / "bulk-in.jsonl"
-    lines = [{"custom_id": f"b{i}", "body": {"prompt_token_ids": p, "max_tokens": max_tokens,
-                                             "temperature": 0.0}} for i, p in enumerate(prompts)]
-    in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+    open_count = 300 if quick else 2000
+    vocab = _vocab(served.model_dir)
+    prompts = _prompts(count, vocab, seed=23)
+    open_prompts = _prompts(open_count, vocab, seed=29)
+
+    def write(name: str, items: list[list[int]]) -> Path:
+        path = workdir / name
+        lines = [{"custom_id": f"b{i}", "body": {"prompt_token_ids": p,
+                                                 "max_tokens": max_tokens,
+                                                 "temperature": 0.0}}
+                 for i, p in enumerate(items)]
+        path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+        return path
+
+    in_path, open_path = write("bulk-in.jsonl", prompts), write("bulk-open.jsonl", open_prompts)
+
+    async def through_kafka(path: Path, out: str, in_flight: int | None
+                            ) -> tuple[float, int, int]:
+        summary = await run_batch(served.client, path, workdir / out, model=MODEL,
+                                  api_key=served.api_key, concurrency=in_flight)
+        if summary.num_errors or summary.num_unanswered:
+            raise RuntimeError(f"bulk run had {summary.num_errors} errors, "
+                               f"{summary.num_unanswered} unanswered")
+        return summary.seconds, summary.num_completion_tokens, summary.peak_in_flight
+
     local_runs, kafka_runs = [], []
+    open_local, open_all, open_auto = [], [], []
     rounds = 1 if quick else 2
     async with _engine(served.model_dir, device) as engine:
         for r in range(rounds):  # alternate, so drift in machine load hits both paths
             local_runs.append(await _bulk_in_process(engine, prompts, max_tokens, concurrency))
-            summary = await run_batch(served.client, in_path, workdir / f"bulk-out-{r}.jsonl",
-                                      model=MODEL, api_key=served.api_key,
-                                      concurrency=concurrency)
-            if summary.num_errors:
-                raise RuntimeError(f"bulk run had {summary.num_errors} errors")
-            kafka_runs.append((summary.seconds, summary.num_completion_tokens))
+            kafka_runs.append((await through_kafka(in_path, f"bulk-out-{r}.jsonl",
+                                                   concurrency))[:2])
+        for r in range(rounds):
+            open_local.append(await _bulk_in_process(engine, open_prompts, max_tokens,
+                                                     open_count))
+            open_all.append(await through_kafka(open_path, f"bulk-open-all-{r}.jsonl",
+                                                open_count))
+            open_auto.append(await through_kafka(open_path, f"bulk-open-auto-{r}.jsonl", None))
 
-    def rates(runs: list[tuple[float, int]]) -> dict[str, Any]:
+    def rates(runs: list[tuple[float, int]], n: int = count) -> dict[str, Any]:
         seconds = sum(s for s, _ in runs)
         tokens = sum(t for _, t in runs)
-        return {"requests_s": count * len(runs) / seconds, "tokens_s": tokens / seconds,
+        return {"requests_s": n * len(runs) / seconds, "tokens_s": tokens / seconds,
                 "tokens": tokens / len(runs), "seconds": seconds / len(runs)}
 
     mine, base = rates(kafka_runs), rates(local_runs)
+    all_at_once = rates([run[:2] for run in open_all], open_count)
+    auto = rates([run[:2] for run in open_auto], open_count)
+    engine_at_once = rates(open_local, open_count)
 
     def figs(r: dict[str, Any]) -> dict[str, Any]:
         return {"requests_per_s": figure(r["requests_s"], "req/s", 2),
@@ -298,15 +328,33 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
                 "completion_tokens": figure(r["tokens"], "tokens", 0),
                 "wall": figure(r["seconds"], "s", 2)}
 
+    open_ratio = ratio(all_at_once["tokens_s"], engine_at_once["tokens_s"])
+    auto_ratio = ratio(auto["tokens_s"], engine_at_once["tokens_s"])
     return {
         "kafka_run_batch": figs(mine),
         "baseline_in_process_engine": figs(base),
+        "open_loop": {
+            "kafka_all_produced_up_front": figs(all_at_once),
+            "kafka_auto_window": {**figs(auto), "peak_in_flight": figure(
+                max(run[2] for run in open_auto), "requests", 0)},
+            "baseline_in_process_all_at_once": figs(engine_at_once),
+            "ratios": {"up_front_over_in_process": open_ratio,
+                       "auto_over_in_process": auto_ratio},
+            "workload": f"{open_count} prompts of 24-64 tokens, max_tokens {max_tokens}, "
+                        f"greedy, {rounds} round(s) per path",
+        },
         "limits": {"in_process_tokens_per_s": figure(base["tokens_s"], "tok/s", 1)},
         "fraction_of_limit": {"kafka_tokens_s_of_in_process": ratio(mine["tokens_s"],
                                                                     base["tokens_s"])},
         "ratios": {
             "requests_s_kafka_over_in_process": ratio(mine["requests_s"], base["requests_s"]),
             "tokens_s_kafka_over_in_process": ratio(mine["tokens_s"], base["tokens_s"]),
+        },
+        "goals": {
+            "open_loop": goal(">= 0.90x the in-process engine's tok/s, every prompt "
+                              "produced up front", open_ratio["value"], 0.90),
+            "auto_window": goal(">= 0.90x the in-process engine's tok/s, sluice batch's "
+                                "default window", auto_ratio["value"], 0.90),
         },
         "workload": f"{count} prompts of 24-64 tokens, max_tokens {max_tokens}, greedy, "
                     f"{concurrency} in flight, {rounds} round(s) per path, alternating",

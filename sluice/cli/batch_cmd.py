@@ -30,8 +30,10 @@ def register(app: typer.Typer) -> None:
         out_path: Annotated[Path, typer.Option("-o", "--output", help="Output JSONL.")],
         api_key: Annotated[str | None, typer.Option(
             "--api-key", help="API key (default: SLUICE_API_KEY).")] = None,
-        concurrency: Annotated[int, typer.Option(
-            "--concurrency", min=1, help="Requests in flight at once.")] = 64,
+        concurrency: Annotated[str, typer.Option(
+            "--concurrency", help="Requests in flight at once: a number, or auto (sized "
+            "from the rate answers come back at, so the workers' batches stay full and "
+            "nothing waits in the queue longer than ~20 s).")] = "auto",
         timeout: Annotated[float | None, typer.Option(
             "--timeout", min=0.001, help="Seconds to wait for each line's answer (default: "
             "SLUICE_CLIENT__REQUEST_TIMEOUT_SECS); a line without one gets no output line "
@@ -56,6 +58,7 @@ def register(app: typer.Typer) -> None:
 
         if not in_path.is_file():
             raise fail(f"no input file at {in_path}", 2)
+        in_flight = _concurrency(concurrency)
         line_format: LineFormat = SluiceFormat()
         if file_format is FileFormat.openai:
             line_format = OpenAIFormat(model)
@@ -71,7 +74,7 @@ def register(app: typer.Typer) -> None:
                     task = progress.add_task("batch", total=None)
                     await run_batch(
                         client, in_path, out_path, model=model, api_key=key,
-                        concurrency=concurrency, timeout_s=timeout, keep_errors=keep_errors,
+                        concurrency=in_flight, timeout_s=timeout, keep_errors=keep_errors,
                         summary=summary, on_progress=lambda n: progress.advance(task, n),
                         on_total=lambda n: progress.update(task, total=n),
                         line_format=line_format,
@@ -95,3 +98,16 @@ def register(app: typer.Typer) -> None:
                        f"{out_path}); a re-run retries them"
                        + ("" if not keep_errors else " without --keep-errors"), err=True)
             raise typer.Exit(1)
+
+
+def _concurrency(value: str) -> int | None:
+    """--concurrency: None for auto, else a positive number."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise fail(f"--concurrency must be auto or a number >= 1, got {value!r}", 2)
+    return number

@@ -60,6 +60,11 @@ EXPECTED: dict[str, list[str]] = {
         "baseline_in_process_engine.requests_per_s",
         "baseline_in_process_engine.completion_tokens_per_s",
         "ratios.tokens_s_kafka_over_in_process",
+        "open_loop.kafka_all_produced_up_front.completion_tokens_per_s",
+        "open_loop.kafka_auto_window.completion_tokens_per_s",
+        "open_loop.kafka_auto_window.peak_in_flight",
+        "open_loop.baseline_in_process_all_at_once.completion_tokens_per_s",
+        "open_loop.ratios.up_front_over_in_process", "open_loop.ratios.auto_over_in_process",
     ],
     "gateway": [
         "gateway_ttft.p50", "gateway_ttft.p99", "gateway_end_to_end.p50",
@@ -73,7 +78,7 @@ EXPECTED: dict[str, list[str]] = {
         "tool_calls.calls_not_fitting_the_schema",
     ],
 }
-GOALS = {"runtime", "sessions", "deadlines", "overhead", "kafka", "gateway"}
+GOALS = {"runtime", "sessions", "deadlines", "overhead", "kafka", "bulk", "gateway"}
 
 
 def _app() -> typer.Typer:
