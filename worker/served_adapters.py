@@ -8,11 +8,11 @@ logged and left out; it never takes the model down.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable
 
 from batcher.engine import Engine
+from common.threads import in_own_thread
 from gpu_runtime import Runtime
 from schemas import AdapterSpec
 
@@ -55,7 +55,7 @@ class ServedAdapters:
                         path: str) -> None:
         try:
             if engine is None:
-                await asyncio.to_thread(runtime.register_adapter, name, path)
+                await in_own_thread(runtime.register_adapter, name, path)
             else:
                 await engine.run_between_steps(lambda: runtime.register_adapter(name, path))
         except Exception as exc:  # a bad adapter must not take the model down

@@ -43,6 +43,7 @@ from common.db import create_pool, notify_channel
 from common.kafka_connect import connect
 from common.kafka_security import explain
 from common.settings import Settings
+from common.threads import in_own_thread
 from common.timeouts import within
 from gpu_runtime import RankFailure, Runtime, RuntimeConfig
 from gpu_runtime.planner import available_device_bytes
@@ -327,7 +328,8 @@ class Worker:
         started = time.monotonic()
         self._set_status("warming")
         config = self.options.runtime_config(dep, self.settings.compile)
-        runtime = await asyncio.to_thread(self._runtime_factory, dep.path, config)
+        # A thread that ends with the load (common/threads.py: why not to_thread)
+        runtime = await in_own_thread(self._runtime_factory, dep.path, config)
         self.runtime = runtime
         if config.compile and config.tp > 1:
             # Every rank compiles in step (the graphs' all-reduces), which would stall the

@@ -25,6 +25,7 @@ import orjson
 from batcher.config import BatcherConfig
 from batcher.engine import Engine
 from batcher.types import TERMINAL_EVENT_TYPES, Finished, Request, Tokens
+from common.threads import run_in_own_thread
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
 from schemas import DoneEvent as WireDone
 from schemas import TokenEvent as WireToken
@@ -33,8 +34,9 @@ from sluice.bench.served import KV_CACHE_LEN, MAX_NUM_BATCHED_TOKENS, MODEL, Ser
 
 
 def _engine(model_dir: Path, device: str) -> Engine:
-    rt = Runtime(model_dir, RuntimeConfig(device=device, kv_cache_len=KV_CACHE_LEN,
-                                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+    config = RuntimeConfig(device=device, kv_cache_len=KV_CACHE_LEN,
+                           max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    rt = run_in_own_thread(Runtime, model_dir, config)  # as a worker loads it
     return Engine(rt, BatcherConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
 
 

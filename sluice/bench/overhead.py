@@ -18,8 +18,16 @@ the output into events. Only steps that decode all B rows count. Per step (media
   loop while the next step computes, so it is reported beside the step, not in it.
 
 Outside the forward = step cycle − model; its share of the cycle is the figure
-with a goal (<= 10 % at batch 32). On a GPU the forward takes milliseconds, and
-this overhead is what separates engines; it is measured here where it can be.
+with a goal (<= 10 % at batch 32).
+
+`load_thread`: the batch-1 and batch-8 decode step when the runtime was loaded on a
+thread that lives on (`asyncio.to_thread`, what workers did) beside one that ended
+with the load (`common.threads.in_own_thread`, what they do now), each in a fresh
+process: OpenMP keeps a thread pool per thread that used it, and two pools on two
+cores make every parallel region sleep and wake (common/threads.py).
+
+On a GPU the forward takes milliseconds, and this overhead is what separates
+engines; it is measured here where it can be.
 """
 
 from __future__ import annotations
@@ -37,9 +45,10 @@ import torch
 from batcher.config import BatcherConfig
 from batcher.engine import Engine, StepStats
 from batcher.types import TERMINAL_EVENT_TYPES, Request
+from common.threads import run_in_own_thread
 from gpu_runtime import Runtime, RuntimeConfig
 from gpu_runtime.sequence import SamplingParams
-from sluice.bench.harness import ScenarioResult, figure, goal
+from sluice.bench.harness import ScenarioResult, figure, goal, ratio
 
 BATCHES = (1, 32, 128)
 PROMPT_LEN = 64
@@ -121,6 +130,42 @@ def _event_path_s(model_path: Path, batch: int, steps: int, token_ids: list[int]
     return (time.perf_counter() - started) / steps
 
 
+def load_thread_steps(mode: str, path: str, steps: int) -> dict[str, float]:
+    """Median decode step (s) at batch 1 and 8 through an `Engine`, the runtime loaded
+    as `mode` says ("lives_on" or "ends"). Runs in a fresh process."""
+    from common.threads import in_own_thread
+
+    async def main() -> dict[str, float]:
+        config = RuntimeConfig(device="cpu", dtype="float32", kv_cache_len=4096,
+                               max_num_batched_tokens=1024)
+        load = asyncio.to_thread if mode == "lives_on" else in_own_thread
+        rt = await load(Runtime, Path(path), config)
+        out: dict[str, float] = {}
+        for batch in (1, 8):
+            times: list[float] = []
+
+            def on_step(stats: StepStats, batch: int = batch,
+                        times: list[float] = times) -> None:
+                if stats.num_tokens == batch and stats.num_seqs == batch:
+                    times.append(stats.seconds)
+
+            params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+            now = time.time()
+            async with Engine(rt, BatcherConfig(max_num_batched_tokens=1024),
+                              on_step=on_step) as engine:
+                for i, prompt in enumerate(_prompts(batch, rt.model_config.vocab_size, 7)):
+                    engine.submit(Request(f"l{batch}-{i}", prompt[:24], params, now,
+                                          now + 3600))
+                ended = 0
+                while ended < batch:
+                    if isinstance(await engine.next_event(), TERMINAL_EVENT_TYPES):
+                        ended += 1
+            out[f"batch_{batch}"] = statistics.median(times[1:])
+        return out
+
+    return asyncio.run(main())
+
+
 def _median(rows: list[dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -133,9 +178,10 @@ def bench_overhead(device: str, quick: bool) -> ScenarioResult:
     shares: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path, what = model_dir(Path(tmp))
-        rt = Runtime(path, RuntimeConfig(device=device, dtype="float32",
-                                         kv_cache_len=max(batches) * (PROMPT_LEN + steps + 32),
-                                         max_num_batched_tokens=4096))
+        config = RuntimeConfig(device=device, dtype="float32",
+                               kv_cache_len=max(batches) * (PROMPT_LEN + steps + 32),
+                               max_num_batched_tokens=4096)
+        rt = run_in_own_thread(Runtime, path, config)  # as a worker loads (common/threads.py)
         text_ids = list(rt.tokenizer.encode("The river runs to the sea, and the sea is "
                                             "never full.").ids) if rt.tokenizer else [5]
         try:
@@ -169,6 +215,24 @@ def bench_overhead(device: str, quick: bool) -> ScenarioResult:
                 }
         finally:
             rt.close()
+    if device == "cpu":
+        from sluice.bench.cpu_engines import _in_fresh_process
+
+        ab = {mode: _in_fresh_process(load_thread_steps, mode, str(path), steps)
+              for mode in ("lives_on", "ends")}
+        load_thread: dict[str, Any] = {}
+        for batch in ("batch_1", "batch_8"):
+            lives, ends = ab["lives_on"].get(batch), ab["ends"].get(batch)
+            load_thread[batch] = {
+                "loaded_on_a_thread_that_lives_on": figure(
+                    lives * 1e3 if lives else None, "ms", 2),
+                "loaded_on_a_thread_that_ended": figure(ends * 1e3 if ends else None, "ms", 2),
+                "speedup": ratio(lives, ends),
+            }
+        failed = [r["failed"] for r in ab.values() if "failed" in r]
+        if failed:
+            load_thread["failed"] = failed[0]
+        results["load_thread"] = load_thread
     results["workload"] = (f"{PROMPT_LEN}-token random prompts, greedy, {steps} decode steps "
                            f"per batch, float32, {torch.get_num_threads()} threads, the "
                            "batcher's Engine loop; medians over the all-decode steps")
