@@ -14,6 +14,7 @@ pool with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -55,11 +56,11 @@ async def in_own_thread(fn: Callable[..., T], *args: Any, name: str = "sluice-lo
 
     def run() -> None:
         try:
-            result = fn(*args)
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
         except BaseException as exc:
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, *outcome)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return await future
