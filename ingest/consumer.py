@@ -140,6 +140,14 @@ class RequestIngest:
             self._not_started.update(assigned)
             self.defer_assignment(list(assigned), self.assignments)
             return
+        # Paused until started too: the consumer fetches a partition as soon as it is
+        # assigned, and records it returns before the tracker knows the partition are
+        # dropped by `poll` (its epoch is None), so a partition is read only from where
+        # `start_partitions` seeks it (the committed offset, else the beginning). Reading
+        # from the client's own position lost those records for good (the chaos run, at
+        # least once: the first record of a partition produced before its assignment).
+        self.consumer.pause(*assigned)
+        self._not_started.update(assigned)
         await self.start_partitions(list(assigned), self.assignments)
 
     async def start_partitions(self, tps: list[TopicPartition], assignment: int) -> None:

@@ -1,0 +1,98 @@
+"""`python -m sluice.bench.cpu_kernels [--threads N]`: the CPU's linear-layer options
+on SmolLM2-135M's shapes, with the weights cold in cache.
+
+The 210 layer weights of the model (30 layers x q, k, v, o, gate, up, down; 425 MB
+in float32, more than any cache) are multiplied in turn, as a decode step does, at
+M = 1, 8 and 32 rows, best of 5 passes. Candidates for the engine's CPU path, each
+beside `F.linear` on row-major float32 weights:
+
+- `kmajor`: the same weights stored K-major (transposed, contiguous);
+- `mkl_packed`: MKL's packed sgemm (`torch.ops.mkl._mkl_linear`; one pack per M);
+- `onednn_bf16`: oneDNN's prepacked bf16 weights (`torch.ops.mkldnn._linear_pointwise`);
+- `bf16`: `F.linear` in bfloat16;
+- `int8_bf16`: int8 weight-only, per output channel, bf16 activations
+  (`torch.ops.aten._weight_int8pack_mm`), with its relative error.
+
+Prints one line per M; milliseconds for the 210 weights (lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTER, KV = 576, 1536, 192
+SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN),
+          (INTER, HIDDEN), (HIDDEN, INTER)] * 30
+
+
+def _pass_ms(fns: list[Callable[[torch.Tensor], torch.Tensor]],
+             inputs: dict[int, torch.Tensor], passes: int = 5) -> float:
+    best = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        for fn, (_, k) in zip(fns, SHAPES, strict=True):
+            fn(inputs[k])
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def measure(m: int, weights: list[torch.Tensor]) -> dict[str, float]:
+    x32 = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
+    xbf = {k: v.to(torch.bfloat16) for k, v in x32.items()}
+    out = {"row_major": _pass_ms([lambda x, w=w: F.linear(x, w) for w in weights], x32)}
+    kmajor = [w.t().contiguous().t() for w in weights]
+    out["kmajor"] = _pass_ms([lambda x, w=w: F.linear(x, w) for w in kmajor], x32)
+    del kmajor
+    if torch._C.has_mkl:
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
+        out["mkl_packed"] = _pass_ms(
+            [lambda x, p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, m)
+             for p, w in zip(packed, weights, strict=True)], x32)
+        del packed
+    bf16 = [w.to(torch.bfloat16) for w in weights]
+    out["bf16"] = _pass_ms([lambda x, w=w: F.linear(x, w) for w in bf16], xbf)
+    if torch.backends.mkldnn.is_available():
+        prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in bf16]
+        out["onednn_bf16"] = _pass_ms(
+            [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+             for p in prepacked], xbf)
+        del prepacked
+    del bf16
+    quantized = []
+    for w in weights:
+        scale = w.abs().amax(dim=1) / 127.0
+        quantized.append((torch.clamp((w / scale[:, None]).round(), -128, 127).to(torch.int8),
+                          scale.to(torch.bfloat16)))
+    out["int8_bf16"] = _pass_ms(
+        [lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s) for q, s in quantized],
+        xbf)
+    q, s = quantized[4]
+    ref = F.linear(x32[HIDDEN], weights[4])
+    got = torch.ops.aten._weight_int8pack_mm(xbf[HIDDEN], q, s).float()
+    out["int8_relative_error"] = ((got - ref).norm() / ref.norm()).item()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) for n, k in SHAPES]
+    size = sum(w.numel() * 4 for w in weights)
+    print(f"{len(weights)} weights, {size / 1e6:.0f} MB in float32, {args.threads} threads; "
+          "ms per pass over all of them")
+    for m in (1, 8, 32):
+        figures = measure(m, weights)
+        print(f"M={m:>2}  " + "  ".join(f"{k} {v:.3f}" if k.endswith("error") else
+                                       f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
