@@ -51,6 +51,20 @@ def greedy(max_tokens: int = 20) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
+def greedy_logits_run(rt: Runtime, prompt: list[int], steps: int
+                      ) -> tuple[list[int], torch.Tensor]:
+    """One greedy sequence from `prompt` to its end: (tokens, float32 logits [steps, vocab])."""
+    rt.add_sequence("a", prompt, greedy(steps))
+    tokens, logits = [], []
+    plan = {"a": len(prompt)}
+    while rt.sequences:
+        out = rt.execute(StepPlan(plan, return_logits=True))
+        tokens.append(out.outputs[0].token_id)
+        logits.append(out.logits["a"])
+        plan = {"a": 1}
+    return tokens, torch.stack(logits)
+
+
 def make_runtime(path: Path, **overrides: object) -> Runtime:
     cfg = dict(kv_cache_len=4096, block_size=16, memory_budget_bytes=8 << 30)
     return Runtime(path, RuntimeConfig(**{**cfg, **overrides}))

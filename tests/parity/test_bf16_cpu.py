@@ -19,23 +19,15 @@ import zlib
 import pytest
 import torch
 
-from gpu_runtime import StepPlan
 from tests.parity.test_model_parity import VARIANTS
-from tests.runtime_support import greedy, make_hf_checkpoint, make_runtime, random_prompt
+from tests.runtime_support import (
+    greedy_logits_run,
+    make_hf_checkpoint,
+    make_runtime,
+    random_prompt,
+)
 
 CHECKED = ("gqa", "tied_mha_bias", "llama3_rope_head_dim", "mistral_window", "qwen2")
-
-
-def _sluice_run(rt, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    rt.add_sequence("a", prompt, greedy(steps))
-    tokens, logits = [], []
-    plan = {"a": len(prompt)}
-    while rt.sequences:
-        out = rt.execute(StepPlan(plan, return_logits=True))
-        tokens.append(out.outputs[0].token_id)
-        logits.append(out.logits["a"])
-        plan = {"a": 1}
-    return tokens, torch.stack(logits)
 
 
 def _hf_logits(model, ids: list[int]) -> torch.Tensor:
@@ -55,7 +47,7 @@ def _check(rt, hf32, prompt: list[int], steps: int, exact_greedy: bool) -> None:
     hf16 = type(hf32)(hf32.config).eval()
     hf16.load_state_dict(hf32.state_dict())
     hf16 = hf16.to(torch.bfloat16)
-    tokens, ours = _sluice_run(rt, prompt, steps)
+    tokens, ours = greedy_logits_run(rt, prompt, steps)
     if exact_greedy:
         assert tokens == _hf_greedy(hf16, prompt, steps)
     ids = prompt + tokens[:-1]  # the reference reads what sluice generated

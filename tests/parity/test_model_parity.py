@@ -10,6 +10,7 @@ from gpu_runtime import StepPlan
 from tests.runtime_support import (
     assert_ragged_run_matches_hf,
     greedy,
+    greedy_logits_run,
     hf_logits,
     make_hf_checkpoint,
     make_runtime,
@@ -53,17 +54,10 @@ def test_batch1_logits_and_greedy_match_hf(checkpoint):
     path, hf = checkpoint
     rt = make_runtime(path)
     prompt = random_prompt(23, 1)
-    rt.add_sequence("a", prompt, greedy(20))
-    tokens, logits = [], []
-    plan = {"a": len(prompt)}
-    while rt.sequences:
-        out = rt.execute(StepPlan(plan, return_logits=True))
-        tokens.append(out.outputs[0].token_id)
-        logits.append(out.logits["a"])
-        plan = {"a": 1}
+    tokens, logits = greedy_logits_run(rt, prompt, 20)
     assert len(tokens) == 20
     ref = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1 :]  # [20, vocab]
-    assert (torch.stack(logits) - ref).abs().max().item() <= TOL
+    assert (logits - ref).abs().max().item() <= TOL
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         hf_out = hf.generate(
