@@ -227,7 +227,7 @@ class RuntimeConfig:
     """How a `Runtime` runs a model: device, memory, KV cache, LoRA slots, ranks."""
 
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, the checkpoint's 16-bit dtype on CUDA
+    dtype: str | None = None  # None: `loader.default_dtype` (the checkpoint's, mostly)
     kv_cache_len: int = 32768  # tokens
     block_size: int = 16
     quantization: str = "none"  # "none" | "fp8"
@@ -243,3 +243,5 @@ class RuntimeConfig:
     # All-decode steps through torch.compile (compiled.py); call `Runtime.warm_up` to
     # compile before the first request instead of during it.
     compile: bool = False
+    # CPU projections on oneDNN's prepacked weights (cpu_linear.py); off: `F.linear`.
+    cpu_prepack: bool = True

@@ -44,6 +44,7 @@ class MemoryRequest:
     max_num_seqs: int = 256
     max_adapters: int = 0  # LoRA slots
     max_lora_rank: int = 64
+    lm_head_copy: bool = False  # a tied LM head held apart too (packed on CPU: cpu_linear.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,7 @@ def weight_bytes_per_device(config: ModelConfig, req: MemoryRequest) -> int:
         per_layer += (2 * inter + h) * dt
     per_layer += 2 * h * dt  # the two RMSNorms, replicated
     vocab_shard = -(-config.vocab_size // tp) * h * dt
-    heads = 1 if config.tie_word_embeddings else 2
+    heads = 1 if config.tie_word_embeddings and not req.lm_head_copy else 2
     return config.num_layers * per_layer + heads * vocab_shard + h * dt
 
 

@@ -39,6 +39,7 @@ inside an NCCL collective is caught by NCCL's own watchdog after the timeout.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -57,11 +58,14 @@ import torch.multiprocessing as mp
 from gpu_runtime.adapters import AdapterManager
 from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.config import ModelConfig, RuntimeConfig
+from gpu_runtime.cpu_linear import pack_cpu_linears, why_not_packed
 from gpu_runtime.errors import ModelLoadError, RankFailure
 from gpu_runtime.loader import load_model
 from gpu_runtime.lora import apply_lora
 from gpu_runtime.parallel import ShardLayout, wrap_parallel_linears
 from gpu_runtime.runner import ModelRunner, ScheduledSeq
+
+log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)
 Command = tuple[Any, ...]
@@ -151,6 +155,13 @@ def build_shard(
         lora_layers = apply_lora(model, config.max_adapters, config.max_lora_rank, dtype)
     if group is not None:  # last: a row-parallel all-reduce covers base output and LoRA delta
         wrap_parallel_linears(model, group)
+    if device.type == "cpu":  # after every other swap: it packs the plain `Linear`s left
+        reason = (why_not_packed(device, dtype, config.compile) if config.cpu_prepack
+                  else "cpu_prepack is off")
+        if reason is None:
+            log.info("%d projections on oneDNN's prepacked weights", pack_cpu_linears(model))
+        else:
+            log.info("CPU projections stay on F.linear: %s", reason)
     adapters = AdapterManager(
         mc, lora_layers, config.max_adapters, config.max_lora_rank, dtype,
         pin_memory=device.type == "cuda", layout=layout,

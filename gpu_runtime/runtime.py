@@ -22,6 +22,7 @@ import torch
 from gpu_runtime import penalties
 from gpu_runtime.block_manager import BlockManager
 from gpu_runtime.config import ModelConfig, RuntimeConfig, context_limit
+from gpu_runtime.cpu_linear import prepacks
 from gpu_runtime.errors import (
     AdapterError,
     ContextTooLongError,
@@ -30,7 +31,7 @@ from gpu_runtime.errors import (
     SchedulingError,
 )
 from gpu_runtime.grammar import Grammars, mask_rows
-from gpu_runtime.loader import resolve_dtype
+from gpu_runtime.loader import default_dtype, resolve_dtype
 from gpu_runtime.lora_format import AdapterInfo
 from gpu_runtime.parallel import check_tp
 from gpu_runtime.planner import MemoryPlan, MemoryRequest, available_device_bytes, plan_memory
@@ -49,19 +50,13 @@ from gpu_runtime.step_clock import StepClock
 from gpu_runtime.stops import check_stop, load_tokenizer
 
 
-def _default_dtype(config: ModelConfig, device: torch.device) -> str:
-    if device.type == "cpu":
-        return "float32"
-    return config.torch_dtype if config.torch_dtype in ("bfloat16", "float16") else "bfloat16"
-
-
 class Runtime:
     def __init__(self, model_path: str | Path, config: RuntimeConfig | None = None) -> None:
         self.config = config = config or RuntimeConfig()
         self.model_config = mc = ModelConfig.from_dir(model_path)
         self.device = torch.device(config.device)
         check_tp(mc, config.tp)
-        dtype = resolve_dtype(config.dtype or _default_dtype(mc, self.device))
+        dtype = resolve_dtype(config.dtype or default_dtype(mc, self.device))
         request = MemoryRequest(
             dtype=dtype,
             kv_cache_len=config.kv_cache_len,
@@ -72,6 +67,7 @@ class Runtime:
             max_num_seqs=config.max_num_seqs,
             max_adapters=config.max_adapters,
             max_lora_rank=config.max_lora_rank,
+            lm_head_copy=config.tp == 1 and prepacks(config, self.device, dtype),
         )
         available = config.memory_budget_bytes or available_device_bytes(self.device)
         self.memory_plan: MemoryPlan = plan_memory(mc, request, available)

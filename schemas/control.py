@@ -30,8 +30,9 @@ class ComputeConfig(BaseModel):
     quantization: Literal["none", "fp8"] = Field(default="none", description=(
         "none (default), or fp8: FP8 weights."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description=(
-        "The weights' and activations' dtype. auto (default): float32 on CPU, the "
-        "checkpoint's 16-bit dtype on CUDA."))
+        "The weights' and activations' dtype. auto (default): on CUDA the checkpoint's "
+        "16-bit dtype; on CPU bfloat16 for a bfloat16 checkpoint where the CPU has native "
+        "bf16 (avx512_bf16 or AMX), else float32."))
     # All-decode steps through torch.compile, built behind live serving. None: off (see
     # `worker.options.WorkerOptions.compile_for` for the measurement behind it).
     compile: bool | None = Field(default=None, description=(

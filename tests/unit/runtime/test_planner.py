@@ -74,3 +74,23 @@ def test_runtime_refuses_to_load_and_never_shrinks(tmp_path):
     rt = make_runtime(path, kv_cache_len=1000, memory_budget_bytes=512 << 20)
     assert rt.block_manager.num_blocks == 63  # ceil(1000 / 16)
     assert rt.runner.kv_caches[0].shape == (2, 64, 16, 2, 16)  # + the runner's scratch block
+
+
+@pytest.mark.parametrize(("checkpoint", "native", "cpu", "cuda"), [
+    ("bfloat16", True, "bfloat16", "bfloat16"),
+    ("bfloat16", False, "float32", "bfloat16"),  # a CPU that would emulate bf16
+    ("float16", True, "float32", "float16"),  # no fp16 path on the CPU
+    ("float32", True, "float32", "bfloat16"),  # a float32 checkpoint is not narrowed on CPU
+    (None, True, "float32", "bfloat16"),
+])
+def test_auto_dtype_follows_the_checkpoint_where_the_device_computes_it(
+        monkeypatch, checkpoint, native, cpu, cuda) -> None:
+    import dataclasses
+
+    from gpu_runtime import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+    config = dataclasses.replace(LLAMA3_8B, torch_dtype=checkpoint)
+    assert loader.default_dtype(config, "cpu") == cpu
+    assert loader.default_dtype(config, torch.device("cpu")) == cpu
+    assert loader.default_dtype(config, "cuda:1") == cuda
