@@ -81,7 +81,12 @@ class LoraLinear(nn.Module):
             self.filled.add(slot)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
-        y = self.base(x, ctx)  # [T, out]
+        return self.add_delta(x, self.base(x, ctx), ctx)
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor,
+                  ctx: StepContext | None) -> torch.Tensor:
+        """y ([T, out], the base output, contiguous) plus each row's adapter delta, in
+        place. A fused base (cpu_linear.FusedPackedLinear) computes y for several."""
         lora = ctx.lora if ctx is not None else None
         if lora is None or not self.filled:
             return y

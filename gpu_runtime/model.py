@@ -33,12 +33,17 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_size, bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.fused_qkv: nn.Module | None = None  # one product for q, k, v (cpu_linear.py)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         num_rows = x.shape[0]
-        q = self.q_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
-        v = self.v_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(x, ctx)
+        else:
+            q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)
+        q = q.view(num_rows, -1, self.head_dim)  # [T, H, D]
+        k = k.view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
+        v = v.view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         kv = ctx.kv_caches[self.layer_idx]
@@ -57,9 +62,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias)
         self.up_proj = Linear(hidden, inter, bias)
         self.down_proj = Linear(inter, hidden, bias)
+        self.fused_gate_up: nn.Module | None = None  # one product for both (cpu_linear.py)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, ctx)) * self.up_proj(x, ctx), ctx)
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x, ctx)
+        else:
+            gate, up = self.gate_proj(x, ctx), self.up_proj(x, ctx)
+        return self.down_proj(F.silu(gate) * up, ctx)
 
 
 class DecoderLayer(nn.Module):

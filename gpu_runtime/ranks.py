@@ -159,7 +159,9 @@ def build_shard(
         reason = (why_not_packed(device, dtype, config.compile) if config.cpu_prepack
                   else "cpu_prepack is off")
         if reason is None:
-            log.info("%d projections on oneDNN's prepacked weights", pack_cpu_linears(model))
+            fused, packed = pack_cpu_linears(model)
+            log.info("CPU projections on oneDNN's prepacked weights: %d fused groups "
+                     "(q/k/v, gate/up), %d single", fused, packed)
         else:
             log.info("CPU projections stay on F.linear: %s", reason)
     adapters = AdapterManager(

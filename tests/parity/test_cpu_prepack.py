@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from gpu_runtime.config import ModelConfig
-from gpu_runtime.cpu_linear import PackedLinear, pack_cpu_linears, why_not_packed
+from gpu_runtime.cpu_linear import (
+    FusedAway,
+    FusedPackedLinear,
+    PackedLinear,
+    pack_cpu_linears,
+    why_not_packed,
+)
 from gpu_runtime.layers import Linear
 from gpu_runtime.lora import LoraLinear
 from gpu_runtime.planner import MemoryRequest, weight_bytes_per_device
@@ -56,14 +62,25 @@ def test_packing_reaches_inside_lora_wrappers_and_the_lm_head(tmp_path) -> None:
     rt = make_runtime(path, device="cpu", max_adapters=2)
     model = rt.model
     layers = model.config.num_layers
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(model.lm_head, PackedLinear)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, LoraLinear)
-    assert isinstance(model.model.layers[0].self_attn.q_proj.base, PackedLinear)
-    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 7 * layers + 1
+    assert isinstance(attn.fused_qkv, FusedPackedLinear)
+    assert attn.fused_qkv.sizes == [attn.q_proj.out_features, attn.k_proj.out_features,
+                                    attn.v_proj.out_features]
+    assert isinstance(mlp.fused_gate_up, FusedPackedLinear)
+    assert isinstance(attn.q_proj, LoraLinear)  # the adapters' slots stay per projection
+    assert isinstance(attn.q_proj.base, FusedAway)
+    assert isinstance(attn.o_proj.base, PackedLinear)
+    assert sum(isinstance(m, FusedPackedLinear) for m in model.modules()) == 2 * layers
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * layers + 1
     assert not any(type(m) is Linear for m in model.modules())
     plain = make_runtime(path, device="cpu", max_adapters=2, cpu_prepack=False)
-    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
-    assert pack_cpu_linears(rt.model) == 0  # nothing plain is left to pack
+    assert not any(isinstance(m, (PackedLinear, FusedPackedLinear))
+                   for m in plain.model.modules())
+    assert plain.model.model.layers[0].self_attn.fused_qkv is None
+    assert pack_cpu_linears(rt.model) == (0, 0)  # nothing is left to fuse or pack
+    with pytest.raises(RuntimeError, match="fused product"):
+        attn.q_proj.base(torch.zeros(1, attn.q_proj.in_features))
 
 
 @pytest.mark.parametrize("variant", ["gqa", "tied_mha_bias", "qwen2"])
