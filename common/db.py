@@ -89,6 +89,12 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX responses_expiry ON responses (expires_at);
     """,
+    # 6: whether a CPU worker multiplies bf16 natively: `dtype: auto` serves bfloat16
+    # there for a bf16 checkpoint (gpu_runtime.loader.default_dtype), so the capacity
+    # check plans with the dtype that worker picks.
+    """
+    ALTER TABLE workers ADD COLUMN native_bf16 boolean NOT NULL DEFAULT false;
+    """,
 ]
 
 _LOCK_ID = 0x51CE

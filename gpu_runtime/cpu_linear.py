@@ -1,13 +1,15 @@
 """CPU projections on oneDNN's prepacked weights: `Linear` -> `PackedLinear`.
 
-On the CPU `F.linear` on float32 goes to MKL's sgemm with a row-major weight,
-which it re-blocks at every call; bfloat16 goes to oneDNN, which does the same.
-A decode step is 211 such calls on small matrices, so the per-call reblocking
-and dispatch show. `PackedLinear` holds the weight in oneDNN's own blocked
-layout, made once at load (`torch.ops.mkldnn._reorder_linear_weight`, the
-layout torch's inductor uses for frozen CPU graphs), and multiplies with
+On the CPU `F.linear` multiplies by the row-major weight: float32 through MKL's
+sgemm, bfloat16 through oneDNN, which lays the weight out for its kernels
+again at every call. A decode step is 211 such calls on small matrices.
+`PackedLinear` holds the weight in oneDNN's own blocked layout, made once at
+load (`torch.ops.mkldnn._reorder_linear_weight`, the layout torch's inductor
+uses for frozen CPU graphs), and multiplies with
 `torch.ops.mkldnn._linear_pointwise`. The math is the same IEEE float32 (or
-bfloat16 with float32 accumulation); only the summation order differs.
+bfloat16 with float32 accumulation); only the summation order differs. Each
+decoder layer's q/k/v and gate/up projections, which read the same input,
+become one packed product each (`FusedPackedLinear`), split after.
 
 Measured on SmolLM2-135M's 210 layer weights, 2 threads, weights cold in cache
 (`python -m sluice.bench.cpu_kernels`), float32: 1.7x `F.linear` at 1 row,

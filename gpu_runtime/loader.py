@@ -42,15 +42,17 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def default_dtype(config: ModelConfig, device: torch.device | str) -> str:
+def default_dtype(config: ModelConfig, device: torch.device | str,
+                  native_bf16: bool | None = None) -> str:
     """What `dtype: auto` serves. CUDA: the checkpoint's 16-bit dtype (bfloat16 for a
     float32 one). CPU: bfloat16 for a bfloat16 checkpoint where the CPU multiplies
-    bf16 natively (avx512_bf16 or AMX; 1.4x float32 at batch 1, 1.6x at prefill, 2x
-    at 32 sequences on SmolLM2, benchmarks/README.md), else float32 (a float16 or
-    float32 checkpoint, or a CPU that would emulate bf16)."""
+    bf16 natively (`native_bf16`; None: this machine's CPU, `cpu_has_native_bf16`),
+    else float32 (a float16 or float32 checkpoint, or a CPU that would emulate bf16).
+    Measured (SmolLM2-135M, 2 threads, `sluice bench cpu`): bf16 1.5-1.7x float32
+    at batch 1, prefill and 8 or 32 sequences (benchmarks/README.md)."""
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     if kind == "cpu":
-        native = cpu_has_native_bf16()
+        native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
         return "bfloat16" if config.torch_dtype == "bfloat16" and native else "float32"
     return config.torch_dtype if config.torch_dtype in ("bfloat16", "float16") else "bfloat16"
 

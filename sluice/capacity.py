@@ -41,13 +41,14 @@ class WorkerInfo:
 async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> None:
     """Raise InvalidConfigError if a live worker of the placement could not load this."""
     rows = await conn.fetch(
-        "SELECT instance_id, pool, device, device_memory_bytes FROM workers "
+        "SELECT instance_id, pool, device, device_memory_bytes, native_bf16 FROM workers "
         "WHERE model = $1 AND pool = ANY($2::text[]) "
         "AND last_seen > now() - make_interval(secs => $3)",
         deployment.model, list(deployment.placement.compute_pools), LIVE_WINDOW_S,
     )
     for row in rows:
-        problem = plan_problem(deployment, row["device"], row["device_memory_bytes"])
+        problem = plan_problem(deployment, row["device"], row["device_memory_bytes"],
+                               row["native_bf16"])
         if problem is not None:
             raise InvalidConfigError(
                 f"refused: worker {row['instance_id']} (pool {row['pool']}, {row['device']}) "
@@ -55,7 +56,10 @@ async def check_fits(conn: asyncpg.Connection, deployment: ModelDeployment) -> N
             )
 
 
-def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int) -> str | None:
+def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int,
+                 native_bf16: bool = False) -> str | None:
+    """Why a worker on `device` (a CPU with native bf16 or not) with `memory_bytes`
+    could not load `deployment`; None if it could."""
     from gpu_runtime.config import ModelConfig
     from gpu_runtime.errors import InsufficientMemoryError, ModelLoadError
     from gpu_runtime.loader import default_dtype, resolve_dtype
@@ -66,9 +70,12 @@ def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int) ->
         config = ModelConfig.from_dir(deployment.path)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
         return f"the model at {deployment.path} cannot be read: {exc}"
-    dtype = cc.dtype if cc.dtype != "auto" else default_dtype(config, device)
+    dtype = cc.dtype if cc.dtype != "auto" else default_dtype(config, device, native_bf16)
+    # A CPU worker packs a tied LM head apart from the embeddings (gpu_runtime.cpu_linear).
+    on_cpu = device.split(":")[0] == "cpu"
     request = MemoryRequest(dtype=resolve_dtype(dtype), kv_cache_len=cc.kv_cache_len, tp=cc.tp,
-                            quantization=cc.quantization)
+                            quantization=cc.quantization,
+                            lm_head_copy=on_cpu and cc.tp == 1 and cc.compile is not True)
     try:
         plan_memory(config, request, memory_bytes)
     except (InsufficientMemoryError, ModelLoadError) as exc:

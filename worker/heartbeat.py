@@ -29,14 +29,21 @@ SERVING_PREFIX = "serving"
 
 async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: str, pool: str,
                         device: str, device_memory_bytes: int, status: str = "serving",
-                        process: str = "") -> None:
+                        process: str = "", native_bf16: bool = False) -> None:
     await conn.execute(
         "INSERT INTO workers (instance_id, model, pool, device, device_memory_bytes, status, "
-        "process) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (instance_id) DO UPDATE SET "
-        "model = $2, pool = $3, device = $4, device_memory_bytes = $5, status = $6, "
-        "process = $7, last_seen = now()",
-        instance_id, model, pool, device, device_memory_bytes, status, process,
+        "process, native_bf16) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+        "ON CONFLICT (instance_id) DO UPDATE SET model = $2, pool = $3, device = $4, "
+        "device_memory_bytes = $5, status = $6, process = $7, native_bf16 = $8, "
+        "last_seen = now()",
+        instance_id, model, pool, device, device_memory_bytes, status, process, native_bf16,
     )
+
+
+def _native_bf16() -> bool:
+    from gpu_runtime.loader import cpu_has_native_bf16  # torch: only a worker pays for it
+
+    return cpu_has_native_bf16()
 
 
 class Heartbeat:
@@ -44,7 +51,8 @@ class Heartbeat:
                  device: str, every_s: float = 5.0):
         self._pool = pool
         self._row = {"instance_id": instance_id, "model": model, "pool": pool_name,
-                     "device": device, "process": f"{socket.gethostname()} pid {os.getpid()}"}
+                     "device": device, "process": f"{socket.gethostname()} pid {os.getpid()}",
+                     "native_bf16": device == "cpu" and _native_bf16()}
         self._every_s = every_s
         self.status = "warming"
         self.device_memory_bytes = 0

@@ -164,7 +164,10 @@ def step_bytes(rt: Runtime, context_len: int) -> int:
     c = rt.model_config
     weights = sum(p.numel() * p.element_size() for n, p in rt.model.named_parameters()
                   if "embed_tokens" not in n and "lora" not in n.lower())
-    if c.tie_word_embeddings:
+    # Packed CPU projections (gpu_runtime.cpu_linear) are no parameters: count their weights.
+    weights += sum(m.packed.numel() * m.packed.element_size() for m in rt.model.modules()
+                   if hasattr(m, "packed"))
+    if c.tie_word_embeddings and not hasattr(rt.model.lm_head, "packed"):
         weights += c.vocab_size * c.hidden_size * rt.runner.dtype.itemsize
     kv = c.num_layers * 2 * c.num_kv_heads * c.head_dim * rt.runner.dtype.itemsize * context_len
     return weights + kv

@@ -207,9 +207,11 @@ def bench_runtime(device: str = "cpu", quick: bool = True) -> dict:
         path = Path(tmp)
         _write_model(config, path)
         rt = Runtime(path, RuntimeConfig(device=device, dtype="float32", kv_cache_len=64 * 256))
-        linear_params = sum(
-            p.numel() for n, p in rt.model.named_parameters() if "proj." in n and "weight" in n
-        )
+        # From the config: on CPU the projections' weights are packed, not parameters.
+        mc = rt.model_config
+        q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+        per_layer = mc.hidden_size * (2 * q + 2 * kv) + 3 * mc.hidden_size * mc.intermediate_size
+        linear_params = mc.num_layers * per_layer
         step_params = linear_params + config["vocab_size"] * config["hidden_size"]  # + LM head
         limits = _machine_limits(
             device, config["hidden_size"], config["intermediate_size"], batches, sync
