@@ -30,7 +30,13 @@ from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
 from schemas import DoneEvent as WireDone
 from schemas import TokenEvent as WireToken
 from sluice.bench.harness import figure, goal, latency_figures, percentile, ratio
-from sluice.bench.served import KV_CACHE_LEN, MAX_NUM_BATCHED_TOKENS, MODEL, Served
+from sluice.bench.served import (
+    KV_CACHE_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MODEL,
+    Served,
+    twin_model_process,
+)
 
 
 def _engine(model_dir: Path, device: str) -> Engine:
@@ -289,9 +295,9 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
 
     in_path, open_path = write("bulk-in.jsonl", prompts), write("bulk-open.jsonl", open_prompts)
 
-    async def through_kafka(path: Path, out: str, in_flight: int | None
+    async def through_kafka(path: Path, out: str, in_flight: int | None, model: str = MODEL
                             ) -> tuple[float, int, int]:
-        summary = await run_batch(served.client, path, workdir / out, model=MODEL,
+        summary = await run_batch(served.client, path, workdir / out, model=model,
                                   api_key=served.api_key, concurrency=in_flight)
         if summary.num_errors or summary.num_unanswered:
             raise RuntimeError(f"bulk run had {summary.num_errors} errors, "
@@ -299,9 +305,11 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
         return summary.seconds, summary.num_completion_tokens, summary.peak_in_flight
 
     local_runs, kafka_runs = [], []
-    open_local, open_all, open_auto = [], [], []
+    open_local, open_all, open_auto, open_process = [], [], [], []
     rounds = 1 if quick else 2
-    async with _engine(served.model_dir, device) as engine:
+    async with (_engine(served.model_dir, device) as engine,
+                twin_model_process(served, "bulk-process", device,
+                                   workdir / "bulk-process-worker.log") as own_process):
         for r in range(rounds):  # alternate, so drift in machine load hits both paths
             local_runs.append(await _bulk_in_process(engine, prompts, max_tokens, concurrency))
             kafka_runs.append((await through_kafka(in_path, f"bulk-out-{r}.jsonl",
@@ -312,6 +320,8 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
             open_all.append(await through_kafka(open_path, f"bulk-open-all-{r}.jsonl",
                                                 open_count))
             open_auto.append(await through_kafka(open_path, f"bulk-open-auto-{r}.jsonl", None))
+            open_process.append(await through_kafka(
+                open_path, f"bulk-open-process-{r}.jsonl", None, own_process))
 
     def rates(runs: list[tuple[float, int]], n: int = count) -> dict[str, Any]:
         seconds = sum(s for s, _ in runs)
@@ -323,6 +333,7 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
     all_at_once = rates([run[:2] for run in open_all], open_count)
     auto = rates([run[:2] for run in open_auto], open_count)
     engine_at_once = rates(open_local, open_count)
+    own = rates([run[:2] for run in open_process], open_count)
 
     def figs(r: dict[str, Any]) -> dict[str, Any]:
         return {"requests_per_s": figure(r["requests_s"], "req/s", 2),
@@ -332,6 +343,7 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
 
     open_ratio = ratio(all_at_once["tokens_s"], engine_at_once["tokens_s"])
     auto_ratio = ratio(auto["tokens_s"], engine_at_once["tokens_s"])
+    own_ratio = ratio(own["tokens_s"], engine_at_once["tokens_s"])
     return {
         "kafka_run_batch": figs(mine),
         "baseline_in_process_engine": figs(base),
@@ -339,9 +351,14 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
             "kafka_all_produced_up_front": figs(all_at_once),
             "kafka_auto_window": {**figs(auto), "peak_in_flight": figure(
                 max(run[2] for run in open_auto), "requests", 0)},
+            # The same, served by a `sluice worker` process of its own (as deployed):
+            # above, worker and client share this process's interpreter.
+            "kafka_auto_window_worker_process": {**figs(own), "peak_in_flight": figure(
+                max(run[2] for run in open_process), "requests", 0)},
             "baseline_in_process_all_at_once": figs(engine_at_once),
             "ratios": {"up_front_over_in_process": open_ratio,
-                       "auto_over_in_process": auto_ratio},
+                       "auto_over_in_process": auto_ratio,
+                       "auto_worker_process_over_in_process": own_ratio},
             "workload": f"{open_count} prompts of 24-64 tokens, max_tokens {max_tokens}, "
                         f"greedy, {rounds} round(s) per path",
         },
@@ -357,6 +374,9 @@ async def bench_bulk(served: Served, device: str, quick: bool, workdir: Path) ->
                               "produced up front", open_ratio["value"], 0.90),
             "auto_window": goal(">= 0.90x the in-process engine's tok/s, sluice batch's "
                                 "default window", auto_ratio["value"], 0.90),
+            "auto_window_worker_process": goal(
+                ">= 0.90x the in-process engine's tok/s, sluice batch's default window, "
+                "the worker in a process of its own", own_ratio["value"], 0.90),
         },
         "workload": f"{count} prompts of 24-64 tokens, max_tokens {max_tokens}, greedy, "
                     f"{concurrency} in flight, {rounds} round(s) per path, alternating",

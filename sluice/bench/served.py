@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -131,3 +133,45 @@ async def served_model(model_dir: Path, device: str) -> AsyncIterator[Served]:
         await client.aclose()
         with contextlib.suppress(Exception):
             await _drop(settings)
+
+
+@contextlib.asynccontextmanager
+async def twin_model_process(served: Served, name: str, device: str,
+                             log_path: Path) -> AsyncIterator[str]:
+    """A second model on the same weights served by `sluice worker` in a process of its
+    own, as deployments run it: its engine does not share this process's interpreter
+    (and GIL) with the client that produces and reads. Stopped with SIGTERM, then
+    SIGKILL if it has not exited within 30 s."""
+    settings = served.settings
+
+    def setup() -> None:
+        served.client.models.register(model=name, path=str(served.model_dir),
+                                      compute_config={"kv_cache_len": KV_CACHE_LEN})
+        served.client.keys.grant(served.api_key, model=name)
+
+    await asyncio.to_thread(setup)
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env = {**inherited, "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
+           "SLUICE_DATABASE_URL": str(settings.database_url),
+           "SLUICE_DB_SCHEMA": settings.db_schema, "SLUICE_TOPIC_PREFIX": settings.topic_prefix,
+           "SLUICE_METRICS_PORT": "0"}
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sluice", "worker", "--model", name, "--device", device,
+            "--no-compile", "--max-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+            "--instance-id", f"{settings.topic_prefix}-{name}",
+            env=env, stdout=log, stderr=asyncio.subprocess.STDOUT)
+    try:
+        async with asyncio.timeout(180):
+            await served.client.complete(model=name, api_key=served.api_key,
+                                         prompt_token_ids=[5, 6, 7], max_tokens=1)
+        yield name
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(30):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
             "--log-level", help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
         compile_step: Annotated[bool | None, typer.Option(
             "--compile/--no-compile", help="Compile the decode step with torch.compile "
-            "(default: SLUICE_COMPILE, else the compute config, else on for cpu).")] = None,
+            "(default: SLUICE_COMPILE, else the compute config, else off).")] = None,
     ) -> None:
         """Serve one model: read its request topic, run it, write tokens to reply topics."""
         import uvloop

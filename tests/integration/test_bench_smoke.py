@@ -65,6 +65,8 @@ EXPECTED: dict[str, list[str]] = {
         "open_loop.kafka_auto_window.peak_in_flight",
         "open_loop.baseline_in_process_all_at_once.completion_tokens_per_s",
         "open_loop.ratios.up_front_over_in_process", "open_loop.ratios.auto_over_in_process",
+        "open_loop.kafka_auto_window_worker_process.completion_tokens_per_s",
+        "open_loop.ratios.auto_worker_process_over_in_process",
     ],
     "gateway": [
         "gateway_ttft.p50", "gateway_ttft.p99", "gateway_end_to_end.p50",
