@@ -12,9 +12,10 @@ decoder layer's q/k/v and gate/up projections, which read the same input,
 become one packed product each (`FusedPackedLinear`), split after.
 
 Measured on SmolLM2-135M's 210 layer weights, 2 threads, weights cold in cache
-(`python -m sluice.bench.cpu_kernels`), float32: 1.7x `F.linear` at 1 row,
-2.0x at 8, 1.6x at 32, 1.2x at 512; bfloat16: 1.0x, 1.7x, 1.4x; the 49k-row LM
-head 2.2x at 1 row in float32 (AMD EPYC, avx512_bf16; see benchmarks/README.md).
+(AMD EPYC with avx512_bf16; `python -m sluice.bench.cpu_kernels` measures the 1,
+8 and 32 row cases): float32 1.7x `F.linear` at 1 row, 1.9x at 8, 1.5x at 32,
+1.1x at 512; bfloat16 1.0x, 1.7x, 1.4x; the 49k-row LM head 2.2x at 1 row in
+float32. In the served model: benchmarks/README.md (`sluice bench cpu`).
 
 The layout is chosen for a hinted row count (`PACK_ROWS`); other counts work
 unchanged (measured: within 10 % of a pack made for them from 1 to 512 rows).
@@ -111,7 +112,8 @@ class FusedAway(nn.Module):
 class FusedPackedLinear(nn.Module):
     """The projections of one input (q, k, v; gate, up) as one packed product, split
     after: one call instead of three, on a weight long enough to stream well
-    (measured: 1.19x the separate packed products over SmolLM2's layers at 1 row).
+    (measured: 1.19x the separate packed products over SmolLM2's layer weights at 1
+    row; 1.04-1.08x a whole decode step at batch 1 to 32).
     LoRA adapters of the parts are added to their slices of the output."""
 
     def __init__(self, parts: list[nn.Module]) -> None:
