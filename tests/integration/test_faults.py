@@ -50,22 +50,25 @@ async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) ->
     task: asyncio.Task[None] | None = None
     try:
         async def healthy(i: int) -> int:
-            done = await client.complete(model="tiny", api_key=key, max_tokens=32,
-                                         prompt_token_ids=[11, 12, 13 + i])
+            done = await client.complete(model="tiny", api_key=key, max_tokens=512,
+                                         ignore_eos=True, prompt_token_ids=[11, 12, 13 + i])
             return done.usage.completion_tokens
 
+        task = asyncio.create_task(worker.run())
         good = [asyncio.create_task(healthy(i)) for i in range(6)]
+        # The poisoned request arrives while the healthy ones decode (512 tokens each),
+        # so it shares their steps: the failing step names no culprit and must be
+        # isolated. (Sent together before the worker ran, it could be read first and
+        # fail in a step of its own.)
+        async with asyncio.timeout(60):
+            while worker.engine is None or worker.engine.scheduler.num_running < 6:
+                await asyncio.sleep(0.01)
         poisoned = asyncio.create_task(client.complete(
             model="tiny", api_key=key, max_tokens=16, prompt_token_ids=[POISON, 12, 13]))
-        # All seven wait on the topic before the worker starts, so the worker reads them
-        # together and the poisoned one shares its steps with healthy ones — the case
-        # where the failing step names no culprit and must be isolated.
-        await asyncio.sleep(1.0)
-        task = asyncio.create_task(worker.run())
         with pytest.raises(RequestError) as info:
             await asyncio.wait_for(poisoned, 120)
         assert info.value.code == "internal" and "injected fault" in str(info.value)
-        assert all(n >= 1 for n in await asyncio.wait_for(asyncio.gather(*good), 60))
+        assert all(n == 512 for n in await asyncio.wait_for(asyncio.gather(*good), 120))
         assert task is not None and not task.done()
         assert worker.engine is not None
         assert worker.engine.scheduler.stats.num_isolated_failures >= 1
