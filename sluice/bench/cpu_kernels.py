@@ -45,6 +45,14 @@ def _pass_ms(fns: list[Callable[[torch.Tensor], torch.Tensor]],
     return best * 1e3
 
 
+def _onednn_ms(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> float:
+    """`_pass_ms` over `weights` packed as the engine packs them (`cpu_linear`)."""
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
+    return _pass_ms(
+        [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+         for p in packed], inputs)
+
+
 def measure(m: int, weights: list[torch.Tensor]) -> dict[str, float]:
     x32 = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
     xbf = {k: v.to(torch.bfloat16) for k, v in x32.items()}
@@ -59,19 +67,11 @@ def measure(m: int, weights: list[torch.Tensor]) -> dict[str, float]:
              for p, w in zip(packed, weights, strict=True)], x32)
         del packed
     if torch.backends.mkldnn.is_available():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
-        out["onednn_f32"] = _pass_ms(
-            [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-             for p in packed], x32)
-        del packed
+        out["onednn_f32"] = _onednn_ms(weights, x32)
     bf16 = [w.to(torch.bfloat16) for w in weights]
     out["bf16"] = _pass_ms([lambda x, w=w: F.linear(x, w) for w in bf16], xbf)
     if torch.backends.mkldnn.is_available():
-        prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in bf16]
-        out["onednn_bf16"] = _pass_ms(
-            [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-             for p in prepacked], xbf)
-        del prepacked
+        out["onednn_bf16"] = _onednn_ms(bf16, xbf)
     del bf16
     quantized = []
     for w in weights:

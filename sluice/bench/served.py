@@ -75,27 +75,37 @@ async def _drop(settings: Settings) -> None:
         await admin.close()
 
 
-@contextlib.asynccontextmanager
-async def twin_model(served: Served, name: str, device: str,
-                     **compute: object) -> AsyncIterator[str]:
-    """A second model on the same weights, with `compute` config changes (exactly-once
-    delivery, say) and its own worker in this process: the same run measures both."""
-    settings = served.settings
-
+async def _register_twin(served: Served, name: str, compute: dict[str, object]) -> None:
+    """Register `name` on the served weights (with `compute` config changes) and grant
+    the bench's key to it."""
     def setup() -> None:
         served.client.models.register(model=name, path=str(served.model_dir),
                                       compute_config={"kv_cache_len": KV_CACHE_LEN, **compute})
         served.client.keys.grant(served.api_key, model=name)
 
     await asyncio.to_thread(setup)
+
+
+async def _first_answer(served: Served, name: str) -> None:
+    """One request, so measurements see a joined, warmed-up worker."""
+    async with asyncio.timeout(180):
+        await served.client.complete(model=name, api_key=served.api_key,
+                                     prompt_token_ids=[5, 6, 7], max_tokens=1)
+
+
+@contextlib.asynccontextmanager
+async def twin_model(served: Served, name: str, device: str,
+                     **compute: object) -> AsyncIterator[str]:
+    """A second model on the same weights, with `compute` config changes (exactly-once
+    delivery, say) and its own worker in this process: the same run measures both."""
+    settings = served.settings
+    await _register_twin(served, name, compute)
     worker = Worker(settings, WorkerOptions(
         model=name, device=device, instance_id=f"{settings.topic_prefix}-{name}",
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, compile=False))
     task = asyncio.create_task(worker.run())
     try:
-        async with asyncio.timeout(180):
-            await served.client.complete(model=name, api_key=served.api_key,
-                                         prompt_token_ids=[5, 6, 7], max_tokens=1)
+        await _first_answer(served, name)
         yield name
     finally:
         worker.stop()
@@ -143,13 +153,7 @@ async def twin_model_process(served: Served, name: str, device: str,
     (and GIL) with the client that produces and reads. Stopped with SIGTERM, then
     SIGKILL if it has not exited within 30 s."""
     settings = served.settings
-
-    def setup() -> None:
-        served.client.models.register(model=name, path=str(served.model_dir),
-                                      compute_config={"kv_cache_len": KV_CACHE_LEN})
-        served.client.keys.grant(served.api_key, model=name)
-
-    await asyncio.to_thread(setup)
+    await _register_twin(served, name, {})
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     env = {**inherited, "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
            "SLUICE_DATABASE_URL": str(settings.database_url),
@@ -162,9 +166,7 @@ async def twin_model_process(served: Served, name: str, device: str,
             "--instance-id", f"{settings.topic_prefix}-{name}",
             env=env, stdout=log, stderr=asyncio.subprocess.STDOUT)
     try:
-        async with asyncio.timeout(180):
-            await served.client.complete(model=name, api_key=served.api_key,
-                                         prompt_token_ids=[5, 6, 7], max_tokens=1)
+        await _first_answer(served, name)
         yield name
     finally:
         if proc.returncode is None:
