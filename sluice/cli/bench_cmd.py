@@ -34,6 +34,10 @@ def register(app: typer.Typer) -> None:
         faults: Annotated[int, typer.Option("--faults", min=0, help="`chaos`: faults.")] = 12,
         delivery: Annotated[str, typer.Option(
             "--delivery", help="`chaos`: exactly_once or at_least_once.")] = "exactly_once",
+        model: Annotated[str, typer.Option(
+            "--model", help="`kafka`, `bulk`, `gateway`: the model served: tiny (default; "
+            "its step is so cheap that Kafka's own cost shows) or smollm2 (the bundled "
+            "SmolLM2-135M-Instruct, a real model's step).")] = "tiny",
     ) -> None:
         """Run a scenario beside its baseline and the machine's limits; print a table."""
         import orjson
@@ -41,6 +45,8 @@ def register(app: typer.Typer) -> None:
 
         if scenario not in CHOICES:
             raise fail(f"unknown scenario {scenario!r}; choose one of {', '.join(CHOICES)}", 2)
+        if model not in ("tiny", "smollm2"):
+            raise fail(f"--model must be tiny or smollm2, got {model!r}", 2)
         if device is not None and device not in ("cpu", "cuda") and not device.startswith(
                 "cuda:"):
             raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
@@ -62,7 +68,7 @@ def register(app: typer.Typer) -> None:
             def progress(name: str, result: object) -> None:
                 console.print(f"[dim]{name} done in {getattr(result, 'wall_s', 0):.1f} s[/]")
 
-            results = run_scenarios(scenario, device or "cpu", quick, progress)
+            results = run_scenarios(scenario, device or "cpu", quick, progress, model)
             doc = document(scenario, device or "cpu", quick, results)
             print_document(doc, console)
         if json_out is not None:

@@ -136,3 +136,26 @@ def test_gpu_mode_runs_on_cpu_with_a_tiny_shape(tmp_path: Path) -> None:
             assert is_figure(_lookup(results[dtype], path)), (dtype, path)
     assert is_figure(_lookup(results, "adapters.ratios.4_adapters_over_1_adapter"))
     assert is_figure(_lookup(results, "limits.measured_bandwidth"))
+
+
+def test_bench_bulk_serves_the_real_model_when_asked(endpoints, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model smollm2`: the broker scenarios serve the bundled SmolLM2, not the tiny model."""
+    monkeypatch.setenv("SLUICE_KAFKA_BOOTSTRAP", endpoints.kafka_bootstrap)
+    monkeypatch.setenv("SLUICE_DATABASE_URL", endpoints.database_url)
+    out = tmp_path / "bulk.json"
+    result = CliRunner().invoke(_app(), ["bench", "bulk", "--quick", "--model", "smollm2",
+                                         "--json", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    doc = json.loads(out.read_text())
+    assert "SmolLM2" in doc["model_shape"]["bulk"]
+    for path in EXPECTED["bulk"]:
+        assert is_figure(_lookup(doc["results"]["bulk"], path)), path
+    tokens = _lookup(doc["results"]["bulk"], "open_loop.kafka_auto_window.completion_tokens")
+    assert tokens["value"] > 0
+
+
+def test_bench_refuses_an_unknown_model() -> None:
+    result = CliRunner().invoke(_app(), ["bench", "bulk", "--model", "gpt-5"])
+    assert result.exit_code == 2
+    assert "--model must be tiny or smollm2" in result.output
