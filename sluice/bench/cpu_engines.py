@@ -29,6 +29,14 @@ e.g. on an instruction this VM traps, is reported as failed, not fatal):
 Read-bandwidth limit of batch-1 decode: the bytes a step must read (weights at
 their precision, the tied embedding once as the LM head) times steps/s, over a
 1 GiB read (`runtime_bench.measure_read_bandwidth`).
+
+Rooflines, per precision with a measured matrix-multiply peak (float32 and
+bfloat16; `measure_matmul_peak`): the most tokens/s any engine could reach here
+on each job, a step taking at least its weight bytes over the read bandwidth and
+at least its multiply-adds over the peak (`roofline_tokens_s`). Each engine's
+figure is also given as a fraction of its roofline, and each goal says what
+fraction of the roofline it needs: above 1, no engine could meet it on this
+machine.
 """
 
 from __future__ import annotations
@@ -320,9 +328,70 @@ def _in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str
 def _step_bytes(variant: str) -> float:
     """Bytes a batch-1 decode step reads for SmolLM2-135M (134.5 M parameters, the tied
     embedding read once as the LM head), at a variant's bytes per weight."""
-    per_weight = {"F32": 4.0, "float32": 4.0, UNPACKED: 4.0, "BF16": 2.0, "bfloat16": 2.0,
-                  "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32}[variant]
-    return 134_515_008 * per_weight
+    return SMOLLM2_PARAMS * BYTES_PER_WEIGHT[variant]
+
+
+BYTES_PER_WEIGHT = {"F32": 4.0, "float32": 4.0, UNPACKED: 4.0, "BF16": 2.0, "bfloat16": 2.0,
+                    "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
+SMOLLM2_PARAMS = 134_515_008  # the tied embedding counted once
+SMOLLM2_LM_HEAD = 49_152 * 576  # vocabulary x hidden: the tied embedding as the LM head
+SMOLLM2_ATTENTION = (30, 9, 64)  # layers, query heads, head dim
+ROOFLINE_DTYPES = {"float32": "float32", UNPACKED: "float32", "F32": "float32",
+                   "bfloat16": "bfloat16", "BF16": "bfloat16"}
+PEAK_ROWS = 512
+
+
+def measure_matmul_peak(dtype_name: str) -> float:
+    """FLOP/s of SmolLM2's four layer products (q/k/v fused, o, gate/up fused, down) at
+    512 rows, best of `F.linear` and oneDNN's packed weights, best of 5: the machine's
+    multiply-add rate at this precision (a prefill chunk's shape)."""
+    import torch
+    import torch.nn.functional as F
+
+    from gpu_runtime.cpu_linear import PACK_ROWS
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen).to(dtype)
+               for o, i in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+    xs = [torch.randn(PEAK_ROWS, w.shape[1], generator=gen).to(dtype) for w in weights]
+    flops = sum(2 * PEAK_ROWS * w.numel() for w in weights)
+    products: list[Callable[[], object]] = [
+        lambda: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)]]
+    if torch.backends.mkldnn.is_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
+        products.append(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                 for x, p in zip(xs, packed, strict=True)])
+    best = float("inf")
+    for product in products:
+        try:
+            product()
+        except RuntimeError:  # a oneDNN that refuses this CPU: F.linear's figure stands
+            continue
+        for _ in range(5):
+            started = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - started)
+    return flops / best
+
+
+def roofline_tokens_s(job: str, bytes_per_weight: float, peak_flops: float,
+                      bandwidth: float) -> float:
+    """The most tokens/s of `job` ("decode_B" or "prefill") on SmolLM2-135M: a decode
+    step reads every weight once (at least bytes / bandwidth) and multiplies B rows by
+    all of them (at least 2 B params / peak); a prefill of 512 tokens multiplies every
+    token by the layer weights and through causal attention, and one row by the LM head."""
+    if job == "prefill":
+        layers, heads, head_dim = SMOLLM2_ATTENTION
+        mean_keys = (PREFILL_LEN + 1) / 2
+        attention = 4 * layers * heads * head_dim * mean_keys  # QK^T and PV per token
+        per_token = 2 * (SMOLLM2_PARAMS - SMOLLM2_LM_HEAD) + attention
+        seconds = (PREFILL_LEN * per_token + 2 * SMOLLM2_LM_HEAD) / peak_flops
+        return PREFILL_LEN / max(seconds, SMOLLM2_PARAMS * bytes_per_weight / bandwidth)
+    batch = int(job.removeprefix("decode_"))
+    step = max(SMOLLM2_PARAMS * bytes_per_weight / bandwidth,
+               2 * batch * SMOLLM2_PARAMS / peak_flops)
+    return batch / step
 
 
 def bench_cpu_engines(device: str, quick: bool,
@@ -372,6 +441,13 @@ def bench_cpu_engines(device: str, quick: bool,
                 if "decode_1" in one:
                     one_thread.setdefault((engine, variant), []).append(one["decode_1"])
     bandwidth = measure_read_bandwidth("cpu", torch.float32, 1 << 30, lambda: None)
+    torch.set_num_threads(threads)
+    peaks = {d: measure_matmul_peak(d) for d in ("float32", "bfloat16")}
+    labels = (("decode_1", "decode_batch_1"), ("prefill", "prefill_512"),
+              *((f"decode_{b}", f"decode_{b}_sequences") for b in CONCURRENT))
+    rooflines = {precision: {job: roofline_tokens_s(job, BYTES_PER_WEIGHT[precision], peak,
+                                                    bandwidth) for job, _ in labels}
+                 for precision, peak in peaks.items()}
 
     def med(engine: str, variant: str, job: str) -> float | None:
         values = [run[job] for run in runs[(engine, variant)] if job in run]
@@ -390,6 +466,11 @@ def bench_cpu_engines(device: str, quick: bool,
                 (med(engine, variant, "decode_1") or 0) * _step_bytes(variant) / bandwidth
                 if med(engine, variant, "decode_1") else None, "fraction", 3),
         }
+        if (precision := ROOFLINE_DTYPES.get(variant)) is not None:
+            entry["of_roofline"] = {
+                label: figure(measured / rooflines[precision][job]
+                              if (measured := med(engine, variant, job)) else None,
+                              "fraction", 3) for job, label in labels}
         if (engine, variant) in one_thread:
             single = statistics.median(one_thread[(engine, variant)])
             entry["decode_batch_1_one_thread"] = figure(single, "tok/s", 1)
@@ -421,13 +502,17 @@ def bench_cpu_engines(device: str, quick: bool,
         if (run := equal_run(greedy_of("llama.cpp", variant), reference)) is not None:
             agreement[f"llama_cpp_{variant}_vs_transformers_{dtype}"] = run
         pair = {}
-        for job, label in (("decode_1", "decode_batch_1"), ("prefill", "prefill_512"),
-                           *((f"decode_{b}", f"decode_{b}_sequences") for b in CONCURRENT)):
+        for job, label in labels:
             pair[label] = ratio(med("sluice", dtype, job), med("llama.cpp", variant, job))
         comparisons[f"sluice_{dtype}_over_llama_cpp_{variant}"] = pair
     results["greedy_agreement"] = agreement
     results["ratios"] = comparisons
-    results["limits"] = {"read_bandwidth": figure(bandwidth / 1e9, "GB/s", 2)}
+    results["limits"] = {
+        "read_bandwidth": figure(bandwidth / 1e9, "GB/s", 2),
+        **{f"matmul_peak_{d}": figure(peak / 1e9, "GFLOP/s", 1) for d, peak in peaks.items()},
+        "rooflines": {precision: {label: figure(jobs[job], "tok/s", 1) for job, label in labels}
+                      for precision, jobs in rooflines.items()},
+    }
     f32 = comparisons.get("sluice_float32_over_llama_cpp_F32", {})
     bf16 = comparisons.get("sluice_bfloat16_over_llama_cpp_BF16", {})
 
@@ -454,6 +539,16 @@ def bench_cpu_engines(device: str, quick: bool,
             ">= 1.6x batch-1 decode from 1 to 2 threads (sluice float32)",
             value(results["engines"]["sluice float32"].get("two_threads_over_one")), 1.6),
     }
+    # What each goal against llama.cpp asks of this machine: the tok/s it needs over the
+    # roofline at that precision (above 1: out of any engine's reach here).
+    for key, job, times in (("batch_1_f32", "decode_1", 1.0), ("batch_1_bf16", "decode_1", 1.0),
+                            *((f"sequences_{b}_{d}", f"decode_{b}", 2.0)
+                              for d in SLUICE_DTYPES for b in CONCURRENT),
+                            ("prefill_512_f32", "prefill", 1.2)):
+        precision = "bfloat16" if key.endswith("bf16") or key.endswith("bfloat16") else "float32"
+        theirs = med("llama.cpp", SAME_PRECISION[precision], job)
+        results["goals"][key]["needs_of_roofline"] = (
+            None if theirs is None else round(times * theirs / rooflines[precision][job], 3))
     results["workload"] = (
         f"SmolLM2-135M-Instruct, {threads} threads, greedy, prompt ids from its tokenizer "
         f"(a {len(prompt_ids)}-token chat prompt; its first 24 for decode), {rounds} rounds "
