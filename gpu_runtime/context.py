@@ -76,5 +76,5 @@ class StepContext:
     # step would see it while another thread traces.)
     in_graph: bool = False
     # Filled by the model once per step from `positions`.
-    cos: torch.Tensor | None = None  # [T, 1, head_dim // 2]
-    sin: torch.Tensor | None = None  # [T, 1, head_dim // 2]
+    cos: torch.Tensor | None = None  # [T, 1, head_dim] (layers.rope_cache)
+    sin: torch.Tensor | None = None  # [T, 1, head_dim], first half negated

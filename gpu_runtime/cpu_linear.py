@@ -131,13 +131,19 @@ class FusedPackedLinear(nn.Module):
         self.loras = [part if isinstance(part, LoraLinear) else None for part in parts]
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> list[torch.Tensor]:
+        return list(self.joined(x, ctx).split(self.sizes, dim=-1))  # [T, size_i] views
+
+    def joined(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        """[T, out_features]: the parts side by side, each with its adapters' deltas."""
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        outs = list(y.split(self.sizes, dim=-1))  # [T, size_i] views
         if ctx is not None and ctx.lora is not None:
-            for i, lora in enumerate(self.loras):
+            start = 0
+            for size, lora in zip(self.sizes, self.loras, strict=True):
                 if lora is not None and lora.filled:
-                    outs[i] = lora.add_delta(x, outs[i].contiguous(), ctx)
-        return outs
+                    part = y[:, start : start + size]
+                    part.copy_(lora.add_delta(x, part.contiguous(), ctx))
+                start += size
+        return y
 
 
 def _base(part: nn.Module) -> nn.Module:

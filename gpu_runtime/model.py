@@ -38,14 +38,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         num_rows = x.shape[0]
         if self.fused_qkv is not None:
-            q, k, v = self.fused_qkv(x, ctx)
+            # q and k lie side by side in the fused product's rows: one RoPE for both.
+            qkv = self.fused_qkv.joined(x, ctx)  # [T, (H + 2 n_kv) * D]
+            q_size, k_size, _ = self.fused_qkv.sizes
+            qk = qkv[:, : q_size + k_size].view(num_rows, -1, self.head_dim)
+            qk = apply_rope(qk, ctx.cos, ctx.sin)  # [T, H + n_kv, D]
+            q, k = qk[:, : q_size // self.head_dim], qk[:, q_size // self.head_dim :]
+            v = qkv[:, q_size + k_size :].view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
         else:
-            q, k, v = self.q_proj(x, ctx), self.k_proj(x, ctx), self.v_proj(x, ctx)
-        q = q.view(num_rows, -1, self.head_dim)  # [T, H, D]
-        k = k.view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
-        v = v.view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
+            q = self.q_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, H, D]
+            k = self.k_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
+            v = self.v_proj(x, ctx).view(num_rows, -1, self.head_dim)  # [T, n_kv, D]
+            q = apply_rope(q, ctx.cos, ctx.sin)
+            k = apply_rope(k, ctx.cos, ctx.sin)
         kv = ctx.kv_caches[self.layer_idx]
         if ctx.in_graph:  # an all-decode step of the compiled graph (compiled.py)
             out = compiled_decode_attention(q, k, v, kv, ctx, self.scale, self.window)
@@ -106,7 +111,7 @@ class CausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         # Not a parameter: built after loading, on the weights' device (see `init_rope`).
-        self.rope: torch.Tensor | None = None  # [max_len, 2, head_dim // 2] float32
+        self.rope: torch.Tensor | None = None  # [max_len, 2, head_dim] float32
 
     def init_rope(self, max_len: int, device: torch.device | str) -> None:
         self.rope = rope_cache(self.config.head_dim, self.config.rope, max_len).to(device)
@@ -114,9 +119,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """input_ids: [T] -> hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rope[ctx.positions].to(x.dtype)  # [T, 2, D/2]
-        ctx.cos = cos_sin[:, 0:1]  # [T, 1, D/2]
-        ctx.sin = cos_sin[:, 1:2]
+        cos_sin = self.rope[ctx.positions].to(x.dtype)  # [T, 2, D]
+        ctx.cos = cos_sin[:, 0:1]  # [T, 1, D]
+        ctx.sin = cos_sin[:, 1:2]  # first half negated (rope_cache)
         for layer in self.model.layers:
             x = layer(x, ctx)
         return self.model.norm(x)
