@@ -116,13 +116,18 @@ def paged_attention(
             q, kv[0], kv[1], ctx.block_tables, ctx.token_seq_idx, ctx.token_ctx_len, scale,
             window=window,
         )
-    decode_mask = ctx.decode_mask if window is None else ctx.decode_window_mask
+    def decodes(q_rows: torch.Tensor) -> torch.Tensor:
+        if ctx.native_attention is not None:  # the CPU kernel (cpu_attention.py)
+            return ctx.native_attention(q_rows, kv, ctx.decode_block_tables, ctx.decode_lens,
+                                        scale, window)
+        mask = ctx.decode_mask if window is None else ctx.decode_window_mask
+        return decode_attention(q_rows, kv, ctx.decode_block_tables, mask, scale)
+
     if not ctx.prefills:
-        return decode_attention(q, kv, ctx.decode_block_tables, decode_mask, scale)
+        return decodes(q)
     out = torch.empty_like(q)
     if ctx.num_decodes:
-        d = ctx.num_decodes
-        out[:d] = decode_attention(q[:d], kv, ctx.decode_block_tables, decode_mask, scale)
+        out[: ctx.num_decodes] = decodes(q[: ctx.num_decodes])
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.end)
         out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale, window)

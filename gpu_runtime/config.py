@@ -245,3 +245,6 @@ class RuntimeConfig:
     compile: bool = False
     # CPU projections on oneDNN's prepacked weights (cpu_linear.py); off: `F.linear`.
     cpu_prepack: bool = True
+    # CPU decode attention by the C kernel over the paged cache (cpu_attention.py); off:
+    # the torch path (gather + SDPA).
+    cpu_native_attention: bool = True

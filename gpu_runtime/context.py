@@ -13,6 +13,7 @@ Row order inside a step (T = total scheduled tokens, no padding)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,9 @@ class StepContext:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     # The same for sliding-window layers (keys within the window); None without such layers.
     decode_window_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, S] bool
+    # On the CPU's native kernel (cpu_attention.py) decode rows take lengths, not masks.
+    native_attention: Callable[..., torch.Tensor] | None = None
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64, keys visible to each row
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Inputs of the Triton kernel (one program per query row), built only on CUDA.
     token_seq_idx: torch.Tensor | None = None  # [T] int32, row -> sequence index

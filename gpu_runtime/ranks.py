@@ -58,6 +58,8 @@ import torch.multiprocessing as mp
 from gpu_runtime.adapters import AdapterManager
 from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.config import ModelConfig, RuntimeConfig
+from gpu_runtime.cpu_attention import load as load_native_attention
+from gpu_runtime.cpu_attention import why_not_native
 from gpu_runtime.cpu_linear import pack_cpu_linears, why_not_packed
 from gpu_runtime.errors import ModelLoadError, RankFailure
 from gpu_runtime.loader import load_model
@@ -168,7 +170,18 @@ def build_shard(
         mc, lora_layers, config.max_adapters, config.max_lora_rank, dtype,
         pin_memory=device.type == "cuda", layout=layout,
     )  # fmt: skip
-    runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, config.compile)
+    native = None
+    if device.type == "cpu":
+        reason = (why_not_native(device, dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads,
+                                 config.compile)
+                  if config.cpu_native_attention else "cpu_native_attention is off")
+        if reason is None:
+            native, _ = load_native_attention()
+            log.info("CPU decode attention on the native kernel (paged cache read in place)")
+        else:
+            log.info("CPU decode attention stays on the torch path: %s", reason)
+    runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, config.compile,
+                         native)
     return runner, adapters
 
 

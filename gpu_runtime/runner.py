@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +53,7 @@ def _triton_available() -> bool:
 class ModelRunner:
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
-        compile: bool = False,
+        compile: bool = False, native_attention: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         config = model.config
         param = next(model.parameters())
@@ -62,6 +63,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = config.sliding_window
         self.use_triton = self.device.type == "cuda" and _triton_available()
+        self.native_attention = native_attention  # the CPU's decode kernel (cpu_attention.py)
         self.max_model_len = max_model_len
         model.init_rope(max_model_len, self.device)
         # One block more than the block manager hands out: the scratch block that
@@ -128,8 +130,11 @@ class ModelRunner:
         max_blocks = max(2 if self.compiled else 1, *(len(t) for t in tables))
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         ctx.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
+        if self.native_attention is not None:  # it reads lengths and windows, not masks
+            ctx.native_attention, ctx.decode_lens = self.native_attention, lens_t
+            return
         keys = torch.arange(max_blocks * self.block_size, device=self.device)
-        lens_t = torch.tensor(lens, device=self.device)
         visible = keys[None, :] < lens_t[:, None]  # [B, S]
         ctx.decode_mask = visible[:, None, None, :]  # [B, 1, 1, S]
         if self.sliding_window is not None:  # the query at position len - 1 sees W keys

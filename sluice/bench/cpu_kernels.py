@@ -16,6 +16,12 @@ beside `F.linear` on row-major float32 weights:
   (`torch.ops.aten._weight_int8pack_mm`), with its relative error.
 
 Prints one line per M; milliseconds for the 210 weights (lower is better).
+
+Then decode attention over a paged cache of SmolLM2's shape (9 query heads, 3 KV
+heads, head_dim 64, blocks of 16 out of order) for 1 to 32 sequences: the torch
+path (`gpu_runtime.attention.decode_attention`: gather + SDPA) beside the native
+kernel (`gpu_runtime.cpu_attention`), microseconds per layer (best of 5 passes of
+20 calls) and each one's relative error against the torch path in float32.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_runtime.attention import decode_attention
+from gpu_runtime.cpu_attention import load as load_native_attention
 from gpu_runtime.cpu_linear import PACK_ROWS
 
 HIDDEN, INTER, KV = 576, 1536, 192
@@ -88,6 +96,55 @@ def measure(m: int, weights: list[torch.Tensor]) -> dict[str, float]:
     return out
 
 
+def _calls_us(fn: Callable[[], torch.Tensor], calls: int = 20, passes: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - started)
+    return best / calls * 1e6
+
+
+def attention_rows() -> list[dict[str, object]]:
+    """The torch path and the native kernel on the same paged cache, per case."""
+    native, reason = load_native_attention()
+    rows: list[dict[str, object]] = []
+    block_size, n_kv, heads, head_dim, scale = 16, 3, 9, 64, 0.125
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, keys in ((1, 160), (8, 160), (32, 160), (8, 512), (32, 512), (1, 4096)):
+            gen = torch.Generator().manual_seed(batch * keys)
+            blocks = keys // block_size
+            kv32 = torch.randn(2, batch * blocks + 1, block_size, n_kv, head_dim, generator=gen)
+            tables = torch.randperm(batch * blocks + 1, generator=gen)[: batch * blocks]
+            tables = tables.view(batch, blocks).contiguous()
+            lens = torch.randint(keys // 2, keys + 1, (batch,), generator=gen)
+            q32 = torch.randn(batch, heads, head_dim, generator=gen)
+            mask = (torch.arange(keys)[None, :] < lens[:, None])[:, None, None, :]
+            kv, q = kv32.to(dtype), q32.to(dtype)
+            want = decode_attention(q.float(), kv.float(), tables, mask, scale)
+
+            def error(got: torch.Tensor, want: torch.Tensor = want) -> float:
+                return ((got.float() - want).norm() / want.norm()).item()
+
+            row: dict[str, object] = {
+                "dtype": str(dtype).removeprefix("torch."), "sequences": batch, "keys": keys,
+                "torch_us": _calls_us(lambda q=q, kv=kv, t=tables, m=mask:
+                                      decode_attention(q, kv, t, m, scale)),
+                "torch_error": error(decode_attention(q, kv, tables, mask, scale)),
+            }
+            if native is not None:
+                row["native_us"] = _calls_us(lambda q=q, kv=kv, t=tables, n=lens:
+                                             native(q, kv, t, n, scale))
+                row["native_error"] = error(native(q, kv, tables, lens, scale))
+                row["speedup"] = row["torch_us"] / row["native_us"]
+            else:
+                row["native"] = reason
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -102,6 +159,10 @@ def main() -> None:
         figures = measure(m, weights)
         print(f"M={m:>2}  " + "  ".join(f"{k} {v:.3f}" if k.endswith("error") else
                                        f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
+    print("decode attention, us per layer (error: relative to the torch path in float32)")
+    for row in attention_rows():
+        print("  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in row.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+/* Decode attention over the paged KV cache, read in place (CPU, AVX-512F).
+
+   One query token per sequence; the keys and values of sequence b are the first
+   lens[b] slots of its blocks (block_tables[b]), of which a sliding window keeps
+   the last `window` (0: all). Each (sequence, KV head) is one task: its `group`
+   query heads share every key and value read. Two passes over the keys: scores
+   (q . k * scale) into a per-thread buffer, then softmax and the weighted sum of
+   the values, accumulated in float32. K and V are each read once; nothing is
+   gathered into a copy. Built and loaded by gpu_runtime/cpu_attention.py. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+
+static inline __m512 load16(const void *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p);
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(void *p, __m512 v, int bf16) {
+    if (!bf16) { _mm512_storeu_ps((float *)p, v); return; }
+    /* round to nearest even, as torch's float -> bfloat16 (NaN is not expected here) */
+    __m512i x = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    x = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+}
+
+/* e^x for x <= 0: 2^n * 2^f, f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
+   (relative error < 1e-7); scalef takes 2^n down to 0 for very negative x. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static __thread float *scores_buf;
+static __thread int64_t scores_cap;
+
+static float *scores_for(int64_t n) {
+    if (n > scores_cap) {
+        free(scores_buf);
+        scores_cap = n + 4096;
+        scores_buf = aligned_alloc(64, (size_t)(((scores_cap * 4) + 63) / 64 * 64));
+        if (!scores_buf) scores_cap = 0;
+    }
+    return scores_buf;
+}
+
+/* q: [batch, num_heads, head_dim] with rows `q_row_stride` elements apart (a view of
+   the fused q/k product); out: [batch, num_heads, head_dim] contiguous; kv: [2, num_blocks, block_size, num_kv_heads,
+   head_dim]; block_tables: [batch, max_blocks]; lens: [batch]. Returns 0, or -1 when a
+   row has no keys, reaches past its table or the cache, or no buffer could be had. */
+int sluice_decode_attention(
+    const void *q, int64_t q_row_stride, const void *kv, void *out,
+    const int64_t *block_tables, const int64_t *lens, int batch, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, int64_t num_blocks, int max_blocks, int window, float scale,
+    int bf16, int num_threads)
+{
+    const int group = num_heads / num_kv_heads, chunks = head_dim / 16;
+    const int esize = bf16 ? 2 : 4;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;  /* elements */
+    const int64_t v_offset = num_blocks * block_size * token_stride;
+    int failed = 0;
+
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(|: failed)
+    for (int task = 0; task < batch * num_kv_heads; task++) {
+        const int b = task / num_kv_heads, h = task % num_kv_heads;
+        const int64_t len = lens[b];
+        const int64_t first = (window > 0 && len > window) ? len - window : 0;
+        const int64_t n = len - first;
+        if (n <= 0) { failed = 1; continue; }  /* a decode row sees at least its own key */
+        float *scores = scores_for(n * group);
+        if (!scores) { failed = 1; continue; }
+        const int64_t *table = block_tables + (int64_t)b * max_blocks;
+        /* the blocks this row reads lie inside its table and the cache (else: no reads) */
+        int bad = (len - 1) / block_size >= max_blocks;
+        for (int64_t i = first / block_size; !bad && i <= (len - 1) / block_size; i++)
+            bad = table[i] < 0 || table[i] >= num_blocks;
+        if (bad) { failed = 1; continue; }
+
+        __m512 qv[MAX_GROUP][MAX_DIM / 16];
+        for (int g = 0; g < group; g++) {
+            const char *qrow = (const char *)q
+                + ((int64_t)b * q_row_stride + (int64_t)(h * group + g) * head_dim) * esize;
+            for (int c = 0; c < chunks; c++)
+                qv[g][c] = _mm512_mul_ps(load16(qrow + c * 16 * esize, bf16), _mm512_set1_ps(scale));
+        }
+        /* pass 1: scores, and each query head's maximum */
+        float maxs[MAX_GROUP];
+        for (int g = 0; g < group; g++) maxs[g] = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t pos = first + j;
+            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+            const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
+            __m512 kc[MAX_DIM / 16];
+            for (int c = 0; c < chunks; c++) kc[c] = load16(krow + c * 16 * esize, bf16);
+            for (int g = 0; g < group; g++) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], kc[0]);
+                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[g][c], kc[c], acc);
+                const float s = _mm512_reduce_add_ps(acc);
+                scores[g * n + j] = s;
+                if (s > maxs[g]) maxs[g] = s;
+            }
+        }
+        /* softmax numerators in place, and their sums */
+        float sums[MAX_GROUP];
+        for (int g = 0; g < group; g++) {
+            float *row = scores + g * n;
+            const __m512 m = _mm512_set1_ps(maxs[g]);
+            __m512 total = _mm512_setzero_ps();
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16) {
+                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+                _mm512_storeu_ps(row + j, e);
+                total = _mm512_add_ps(total, e);
+            }
+            if (j < n) {
+                const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), m));
+                _mm512_mask_storeu_ps(row + j, tail, e);
+                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+            }
+            sums[g] = _mm512_reduce_add_ps(total);
+        }
+        /* pass 2: the weighted sum of the values */
+        __m512 acc[MAX_GROUP][MAX_DIM / 16];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t pos = first + j;
+            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+            const char *vrow = (const char *)kv + (v_offset + slot * token_stride + (int64_t)h * head_dim) * esize;
+            for (int c = 0; c < chunks; c++) {
+                const __m512 v = load16(vrow + c * 16 * esize, bf16);
+                for (int g = 0; g < group; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, acc[g][c]);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
+            char *orow = (char *)out + (((int64_t)b * num_heads) + h * group + g) * head_dim * esize;
+            for (int c = 0; c < chunks; c++)
+                store16(orow + c * 16 * esize, _mm512_mul_ps(acc[g][c], inv), bf16);
+        }
+    }
+    return failed ? -1 : 0;
+}
