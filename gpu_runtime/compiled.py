@@ -45,8 +45,14 @@ log = logging.getLogger(__name__)
 Forward = Callable[[torch.Tensor, StepContext], torch.Tensor]
 
 
+def sluice_cache_dir(kind: str) -> Path:
+    """`~/.cache/sluice/<kind>` (`XDG_CACHE_HOME`): what the runtime builds once per
+    machine (infra.common's root; this room cannot import it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / kind
+
+
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sluice" / "inductor"
+    return sluice_cache_dir("inductor")
 
 
 def _own_code(forward: Forward) -> Forward:

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.attention import decode_attention
+from gpu_runtime.compiled import sluice_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def kernel_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sluice" / "kernels"
+    return sluice_cache_dir("kernels")
 
 
 class NativeDecodeAttention:
@@ -118,21 +119,18 @@ def why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int, grou
     return reason
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_has_avx512() -> bool:
+    """AVX-512F, as torch reads the CPU (as `loader.cpu_has_native_bf16` does)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        return bool(torch.cpu._is_avx512_supported())
+    except AttributeError:  # a torch without the probe: assume not
+        return False
 
 
 @functools.cache
 def load() -> tuple[NativeDecodeAttention | None, str | None]:
     """The kernel (built if needed, probed) or None and the reason; once per process."""
-    if "avx512f" not in _cpu_flags():
+    if not _cpu_has_avx512():
         return None, "the CPU has no AVX-512F"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
