@@ -248,3 +248,6 @@ class RuntimeConfig:
     # CPU decode attention by the C kernel over the paged cache (cpu_attention.py); off:
     # the torch path (gather + SDPA).
     cpu_native_attention: bool = True
+    # Decode steps of up to 8 rows by one C call over all layers (cpu_decode.py), on a
+    # second copy of the layers' projection weights; off: the torch path.
+    cpu_native_decode: bool = True

@@ -48,8 +48,13 @@ from gpu_runtime.compiled import sluice_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "decode_attention.c"
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+NATIVE = Path(__file__).parent / "native"
+# One library: decode_layers.c (cpu_decode.py's whole-step kernel) includes
+# decode_attention.c; the build key covers every source it reads.
+SOURCE = NATIVE / "decode_layers.c"
+INCLUDED = (NATIVE / "decode_attention.c",)
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared",
+         "-fPIC", "-std=gnu11")
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head (the kernel's register arrays)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -120,7 +125,8 @@ def why_not_native(device: torch.device, dtype: torch.dtype, head_dim: int, grou
 
 
 def _cpu_has_avx512() -> bool:
-    """AVX-512F, as torch reads the CPU (as `loader.cpu_has_native_bf16` does)."""
+    """AVX-512 (F, BW, VL, DQ: torch's AVX512 level), as torch reads the CPU (as
+    `loader.cpu_has_native_bf16` does)."""
     try:
         return bool(torch.cpu._is_avx512_supported())
     except AttributeError:  # a torch without the probe: assume not
@@ -151,12 +157,12 @@ def load() -> tuple[NativeDecodeAttention | None, str | None]:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + b"".join(path.read_bytes() for path in INCLUDED)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30, check=True).stdout
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     directory = kernel_dir()
-    path = directory / f"decode_attention-{key}.so"
+    path = directory / f"sluice_native-{key}.so"
     if path.exists():
         return path
     directory.mkdir(parents=True, exist_ok=True)
@@ -168,7 +174,7 @@ def _build(compiler: str) -> Path:
             raise subprocess.SubprocessError(
                 f"{compiler} exited {result.returncode}: {result.stderr.strip()[-500:]}")
         os.replace(built, path)
-    log.info("built the native decode attention: %s", path)
+    log.info("built the native CPU kernels: %s", path)
     return path
 
 

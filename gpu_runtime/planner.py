@@ -45,6 +45,7 @@ class MemoryRequest:
     max_adapters: int = 0  # LoRA slots
     max_lora_rank: int = 64
     lm_head_copy: bool = False  # a tied LM head held apart too (packed on CPU: cpu_linear.py)
+    decode_copy: bool = False  # the layers' projections twice (the CPU decode kernel's copy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +107,12 @@ def weight_bytes_per_device(config: ModelConfig, req: MemoryRequest) -> int:
         per_layer += h * dt
     if config.mlp_bias:
         per_layer += (2 * inter + h) * dt
+    if req.decode_copy:  # cpu_decode.py's layout, rows padded to blocks of 32
+        per_layer += sum(-(-r // 32) * 32 * c for r, c in proj_rows_cols) * dt
     per_layer += 2 * h * dt  # the two RMSNorms, replicated
     vocab_shard = -(-config.vocab_size // tp) * h * dt
     heads = 1 if config.tie_word_embeddings and not req.lm_head_copy else 2
+    heads += req.decode_copy  # the decode kernel's LM head (cpu_decode.py)
     return config.num_layers * per_layer + heads * vocab_shard + h * dt
 
 

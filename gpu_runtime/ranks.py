@@ -60,6 +60,8 @@ from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.config import ModelConfig, RuntimeConfig
 from gpu_runtime.cpu_attention import load as load_native_attention
 from gpu_runtime.cpu_attention import why_not_native
+from gpu_runtime.cpu_decode import MAX_ROWS as MAX_DECODE_ROWS
+from gpu_runtime.cpu_decode import NativeDecoder, decodes_natively, why_not_native_decode
 from gpu_runtime.cpu_linear import pack_cpu_linears, why_not_packed
 from gpu_runtime.errors import ModelLoadError, RankFailure
 from gpu_runtime.loader import load_model
@@ -157,6 +159,18 @@ def build_shard(
         lora_layers = apply_lora(model, config.max_adapters, config.max_lora_rank, dtype)
     if group is not None:  # last: a row-parallel all-reduce covers base output and LoRA delta
         wrap_parallel_linears(model, group)
+    decoder = None
+    if device.type == "cpu":  # before packing: it copies the plain projections' rows
+        reason = (why_not_native_decode(model, mc, device, dtype, config.compile)
+                  if decodes_natively(config, device, dtype) else
+                  "cpu_native_decode is off, or not one float32/bfloat16 rank unquantized "
+                  "and uncompiled")
+        if reason is None:
+            decoder = NativeDecoder(model, mc)
+            log.info("CPU decode steps of up to %d rows in one native call over all layers "
+                     "(its weight copy: %.1f MB)", MAX_DECODE_ROWS, decoder.extra_bytes / 1e6)
+        else:
+            log.info("CPU decode steps stay on the torch path: %s", reason)
     if device.type == "cpu":  # after every other swap: it packs the plain `Linear`s left
         reason = (why_not_packed(device, dtype, config.compile) if config.cpu_prepack
                   else "cpu_prepack is off")
@@ -181,7 +195,7 @@ def build_shard(
         else:
             log.info("CPU decode attention stays on the torch path: %s", reason)
     runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, config.compile,
-                         native)
+                         native, decoder)
     return runner, adapters
 
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.context import LoraBatch, PrefillChunk, StepContext
+from gpu_runtime.cpu_decode import MAX_ROWS as MAX_DECODE_ROWS
+from gpu_runtime.cpu_decode import NativeDecoder
 from gpu_runtime.model import CausalLM
 
 
@@ -54,6 +56,7 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
         compile: bool = False, native_attention: Callable[..., torch.Tensor] | None = None,
+        native_decoder: NativeDecoder | None = None,
     ) -> None:
         config = model.config
         param = next(model.parameters())
@@ -71,6 +74,9 @@ class ModelRunner:
         self.scratch_block = num_blocks
         shape = (2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [zeroed(shape, self.dtype, self.device) for _ in range(config.num_layers)]
+        self.native_decoder = native_decoder  # all layers of small decode steps (cpu_decode.py)
+        if native_decoder is not None:
+            native_decoder.bind(self.kv_caches, block_size)
         self.compiled = CompiledStep(model.forward) if compile else None
         self.step = self.compiled or model.forward
         self.last_inputs_s = 0.0
@@ -120,6 +126,9 @@ class ModelRunner:
         if self.use_triton:
             self._add_triton_inputs(ctx, seqs)
         ctx.lora = self._lora_batch(seqs, len(input_ids))
+        if (self.native_decoder is not None and not prefills and ctx.lora is None
+                and len(input_ids) <= MAX_DECODE_ROWS):
+            ctx.native_decoder = self.native_decoder
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, last_rows
 
     def _add_decode_inputs(
@@ -201,6 +210,8 @@ class ModelRunner:
         if not rows_to_sample:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = torch.tensor([last_rows[i] for i in rows_to_sample], device=self.device)
+        if self.native_decoder is not None and len(rows_to_sample) <= MAX_DECODE_ROWS:
+            return self.native_decoder.logits(hidden[index])
         return self.model.compute_logits(hidden[index], ctx)
 
     @torch.inference_mode()

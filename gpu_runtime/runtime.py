@@ -22,6 +22,7 @@ import torch
 from gpu_runtime import penalties
 from gpu_runtime.block_manager import BlockManager
 from gpu_runtime.config import ModelConfig, RuntimeConfig, context_limit
+from gpu_runtime.cpu_decode import decodes_natively
 from gpu_runtime.cpu_linear import prepacks
 from gpu_runtime.errors import (
     AdapterError,
@@ -68,6 +69,7 @@ class Runtime:
             max_adapters=config.max_adapters,
             max_lora_rank=config.max_lora_rank,
             lm_head_copy=config.tp == 1 and prepacks(config, self.device, dtype),
+            decode_copy=decodes_natively(config, self.device, dtype),
         )
         available = config.memory_budget_bytes or available_device_bytes(self.device)
         self.memory_plan: MemoryPlan = plan_memory(mc, request, available)

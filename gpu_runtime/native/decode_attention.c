@@ -62,102 +62,113 @@ static float *scores_for(int64_t n) {
     return scores_buf;
 }
 
-/* q: [batch, num_heads, head_dim] with rows `q_row_stride` elements apart (a view of
-   the fused q/k product); out: [batch, num_heads, head_dim] contiguous; kv: [2, num_blocks, block_size, num_kv_heads,
-   head_dim]; block_tables: [batch, max_blocks]; lens: [batch]. Returns 0, or -1 when a
-   row has no keys, reaches past its table or the cache, or no buffer could be had. */
+/* One (sequence b, KV head h) task: its `group` query heads over the sequence's keys.
+   q: [batch, num_heads, head_dim] with rows `q_row_stride` elements apart (a view of
+   the fused q/k product); out: [batch, num_heads, head_dim] contiguous; kv: [2,
+   num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [batch, max_blocks];
+   lens: [batch]. Returns 0, or -1 (nothing read or written) when the row has no keys,
+   reaches past its table or the cache, or no buffer could be had. */
+static int attend_task(
+    const void *q, int64_t q_row_stride, const void *kv, void *out,
+    const int64_t *block_tables, const int64_t *lens, int b, int h, int num_heads, int num_kv_heads,
+    int head_dim, int block_size, int64_t num_blocks, int max_blocks, int window, float scale, int bf16)
+{
+    const int group = num_heads / num_kv_heads, chunks = head_dim / 16;
+    const int esize = bf16 ? 2 : 4;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;  /* elements */
+    const int64_t v_offset = num_blocks * block_size * token_stride;
+    const int64_t len = lens[b];
+    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    const int64_t n = len - first;
+    if (n <= 0) return -1;  /* a decode row sees at least its own key */
+    float *scores = scores_for(n * group);
+    if (!scores) return -1;
+    const int64_t *table = block_tables + (int64_t)b * max_blocks;
+    /* the blocks this row reads lie inside its table and the cache (else: no reads) */
+    if ((len - 1) / block_size >= max_blocks) return -1;
+    for (int64_t i = first / block_size; i <= (len - 1) / block_size; i++)
+        if (table[i] < 0 || table[i] >= num_blocks) return -1;
+
+    __m512 qv[MAX_GROUP][MAX_DIM / 16];
+    for (int g = 0; g < group; g++) {
+        const char *qrow = (const char *)q
+            + ((int64_t)b * q_row_stride + (int64_t)(h * group + g) * head_dim) * esize;
+        for (int c = 0; c < chunks; c++)
+            qv[g][c] = _mm512_mul_ps(load16(qrow + c * 16 * esize, bf16), _mm512_set1_ps(scale));
+    }
+    /* pass 1: scores, and each query head's maximum */
+    float maxs[MAX_GROUP];
+    for (int g = 0; g < group; g++) maxs[g] = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t pos = first + j;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
+        __m512 kc[MAX_DIM / 16];
+        for (int c = 0; c < chunks; c++) kc[c] = load16(krow + c * 16 * esize, bf16);
+        for (int g = 0; g < group; g++) {
+            __m512 acc = _mm512_mul_ps(qv[g][0], kc[0]);
+            for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[g][c], kc[c], acc);
+            const float s = _mm512_reduce_add_ps(acc);
+            scores[g * n + j] = s;
+            if (s > maxs[g]) maxs[g] = s;
+        }
+    }
+    /* softmax numerators in place, and their sums */
+    float sums[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        float *row = scores + g * n;
+        const __m512 m = _mm512_set1_ps(maxs[g]);
+        __m512 total = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
+            _mm512_storeu_ps(row + j, e);
+            total = _mm512_add_ps(total, e);
+        }
+        if (j < n) {
+            const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), m));
+            _mm512_mask_storeu_ps(row + j, tail, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+        }
+        sums[g] = _mm512_reduce_add_ps(total);
+    }
+    /* pass 2: the weighted sum of the values */
+    __m512 acc[MAX_GROUP][MAX_DIM / 16];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t pos = first + j;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const char *vrow = (const char *)kv + (v_offset + slot * token_stride + (int64_t)h * head_dim) * esize;
+        for (int c = 0; c < chunks; c++) {
+            const __m512 v = load16(vrow + c * 16 * esize, bf16);
+            for (int g = 0; g < group; g++)
+                acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, acc[g][c]);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
+        char *orow = (char *)out + (((int64_t)b * num_heads) + h * group + g) * head_dim * esize;
+        for (int c = 0; c < chunks; c++)
+            store16(orow + c * 16 * esize, _mm512_mul_ps(acc[g][c], inv), bf16);
+    }
+    return 0;
+}
+
+/* Every (sequence, KV head) of a decode batch (arguments as `attend_task`'s). Returns
+   0, or -1 when some row could not be read (see `attend_task`). */
 int sluice_decode_attention(
     const void *q, int64_t q_row_stride, const void *kv, void *out,
     const int64_t *block_tables, const int64_t *lens, int batch, int num_heads, int num_kv_heads, int head_dim,
     int block_size, int64_t num_blocks, int max_blocks, int window, float scale,
     int bf16, int num_threads)
 {
-    const int group = num_heads / num_kv_heads, chunks = head_dim / 16;
-    const int esize = bf16 ? 2 : 4;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;  /* elements */
-    const int64_t v_offset = num_blocks * block_size * token_stride;
     int failed = 0;
-
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(|: failed)
-    for (int task = 0; task < batch * num_kv_heads; task++) {
-        const int b = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t len = lens[b];
-        const int64_t first = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - first;
-        if (n <= 0) { failed = 1; continue; }  /* a decode row sees at least its own key */
-        float *scores = scores_for(n * group);
-        if (!scores) { failed = 1; continue; }
-        const int64_t *table = block_tables + (int64_t)b * max_blocks;
-        /* the blocks this row reads lie inside its table and the cache (else: no reads) */
-        int bad = (len - 1) / block_size >= max_blocks;
-        for (int64_t i = first / block_size; !bad && i <= (len - 1) / block_size; i++)
-            bad = table[i] < 0 || table[i] >= num_blocks;
-        if (bad) { failed = 1; continue; }
-
-        __m512 qv[MAX_GROUP][MAX_DIM / 16];
-        for (int g = 0; g < group; g++) {
-            const char *qrow = (const char *)q
-                + ((int64_t)b * q_row_stride + (int64_t)(h * group + g) * head_dim) * esize;
-            for (int c = 0; c < chunks; c++)
-                qv[g][c] = _mm512_mul_ps(load16(qrow + c * 16 * esize, bf16), _mm512_set1_ps(scale));
-        }
-        /* pass 1: scores, and each query head's maximum */
-        float maxs[MAX_GROUP];
-        for (int g = 0; g < group; g++) maxs[g] = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t pos = first + j;
-            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
-            __m512 kc[MAX_DIM / 16];
-            for (int c = 0; c < chunks; c++) kc[c] = load16(krow + c * 16 * esize, bf16);
-            for (int g = 0; g < group; g++) {
-                __m512 acc = _mm512_mul_ps(qv[g][0], kc[0]);
-                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[g][c], kc[c], acc);
-                const float s = _mm512_reduce_add_ps(acc);
-                scores[g * n + j] = s;
-                if (s > maxs[g]) maxs[g] = s;
-            }
-        }
-        /* softmax numerators in place, and their sums */
-        float sums[MAX_GROUP];
-        for (int g = 0; g < group; g++) {
-            float *row = scores + g * n;
-            const __m512 m = _mm512_set1_ps(maxs[g]);
-            __m512 total = _mm512_setzero_ps();
-            int64_t j = 0;
-            for (; j + 16 <= n; j += 16) {
-                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
-                _mm512_storeu_ps(row + j, e);
-                total = _mm512_add_ps(total, e);
-            }
-            if (j < n) {
-                const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), m));
-                _mm512_mask_storeu_ps(row + j, tail, e);
-                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
-            }
-            sums[g] = _mm512_reduce_add_ps(total);
-        }
-        /* pass 2: the weighted sum of the values */
-        __m512 acc[MAX_GROUP][MAX_DIM / 16];
-        for (int g = 0; g < group; g++)
-            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t pos = first + j;
-            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            const char *vrow = (const char *)kv + (v_offset + slot * token_stride + (int64_t)h * head_dim) * esize;
-            for (int c = 0; c < chunks; c++) {
-                const __m512 v = load16(vrow + c * 16 * esize, bf16);
-                for (int g = 0; g < group; g++)
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, acc[g][c]);
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
-            char *orow = (char *)out + (((int64_t)b * num_heads) + h * group + g) * head_dim * esize;
-            for (int c = 0; c < chunks; c++)
-                store16(orow + c * 16 * esize, _mm512_mul_ps(acc[g][c], inv), bf16);
-        }
-    }
+    for (int task = 0; task < batch * num_kv_heads; task++)
+        failed |= attend_task(q, q_row_stride, kv, out, block_tables, lens, task / num_kv_heads,
+                              task % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size,
+                              num_blocks, max_blocks, window, scale, bf16) != 0;
     return failed ? -1 : 0;
 }

@@ -64,8 +64,11 @@ LLAMA_VARIANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
 SLUICE_DTYPES = ("float32", "bfloat16")
 # sluice's CPU projections on `F.linear` (`cpu_prepack` off): what the packed weights gain.
 UNPACKED = "float32 F.linear"
-# sluice's CPU decode attention on the torch path (`cpu_native_attention` off): what the
-# native kernel (gpu_runtime/cpu_attention.py) gains.
+# sluice's all-decode steps through torch (`cpu_native_decode` off, the attention still
+# native): what the one-call decode step (gpu_runtime/cpu_decode.py) gains.
+TORCH_DECODE = "bfloat16 torch decode"
+# ... and with the decode attention on the torch path too (`cpu_native_attention` off, which
+# takes the native decode step with it): what the attention kernel gained in torch's steps.
 TORCH_ATTENTION = "bfloat16 torch attention"
 SAME_PRECISION = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -185,7 +188,8 @@ class _SluiceRunner:
         self.rt = Runtime(path, RuntimeConfig(
             device="cpu", dtype=dtype.split()[0], kv_cache_len=16384,
             max_num_batched_tokens=1024, cpu_prepack=dtype != UNPACKED,
-            cpu_native_attention=dtype != TORCH_ATTENTION))
+            cpu_native_attention=dtype != TORCH_ATTENTION,
+            cpu_native_decode=dtype not in (TORCH_DECODE, TORCH_ATTENTION)))
         self.vocab = self.rt.model_config.vocab_size
         self.n = 0
 
@@ -337,13 +341,13 @@ def _step_bytes(variant: str) -> float:
 
 
 BYTES_PER_WEIGHT = {"F32": 4.0, "float32": 4.0, UNPACKED: 4.0, "BF16": 2.0, "bfloat16": 2.0,
-                    TORCH_ATTENTION: 2.0,
+                    TORCH_ATTENTION: 2.0, TORCH_DECODE: 2.0,
                     "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
 SMOLLM2_PARAMS = 134_515_008  # the tied embedding counted once
 SMOLLM2_LM_HEAD = 49_152 * 576  # vocabulary x hidden: the tied embedding as the LM head
 SMOLLM2_ATTENTION = (30, 9, 64)  # layers, query heads, head dim
 ROOFLINE_DTYPES = {"float32": "float32", UNPACKED: "float32", "F32": "float32",
-                   TORCH_ATTENTION: "bfloat16",
+                   TORCH_ATTENTION: "bfloat16", TORCH_DECODE: "bfloat16",
                    "bfloat16": "bfloat16", "BF16": "bfloat16"}
 PEAK_ROWS = 512
 
@@ -428,7 +432,8 @@ def bench_cpu_engines(device: str, quick: bool,
         CHAT_PROMPT, add_special_tokens=False).ids
     threads = min(2, os.cpu_count() or 1)
     rounds = 1 if quick else 3
-    sluice_variants = SLUICE_DTYPES if quick else (*SLUICE_DTYPES, UNPACKED, TORCH_ATTENTION)
+    sluice_variants = (SLUICE_DTYPES if quick else
+                       (*SLUICE_DTYPES, UNPACKED, TORCH_DECODE, TORCH_ATTENTION))
     engines = [("sluice", d, str(model_dir)) for d in sluice_variants] + [
         ("llama.cpp", v, str(files[v])) for v in (("F32", "BF16") if quick else LLAMA_VARIANTS)]
     jobs = ("greedy", "decode_1", "prefill", *(f"decode_{b}" for b in CONCURRENT))
@@ -512,10 +517,12 @@ def bench_cpu_engines(device: str, quick: bool,
         for job, label in labels:
             pair[label] = ratio(med("sluice", dtype, job), med("llama.cpp", variant, job))
         comparisons[f"sluice_{dtype}_over_llama_cpp_{variant}"] = pair
-    for variant, base, label in ((UNPACKED, "float32", "packed_over_f_linear"),
-                                 (TORCH_ATTENTION, "bfloat16", "native_over_torch_attention")):
-        if runs.get(("sluice", variant)):
-            comparisons[f"sluice_{base}_{label}"] = {
+    for variant, base, label in (
+            (UNPACKED, "float32", "float32_packed_over_f_linear"),
+            (TORCH_DECODE, "bfloat16", "bfloat16_native_decode_over_torch_decode"),
+            (TORCH_ATTENTION, TORCH_DECODE, "bfloat16_native_over_torch_attention")):
+        if runs.get(("sluice", variant)) and runs.get(("sluice", base)):
+            comparisons[f"sluice_{label}"] = {
                 name: ratio(med("sluice", base, job), med("sluice", variant, job))
                 for job, name in labels}
     results["greedy_agreement"] = agreement

@@ -1,0 +1,256 @@
+"""All-decode steps on the CPU by one C call over all decoder layers.
+
+At batch 1 a SmolLM2 decode step through torch was 28-30 ms, of which the
+products' kernels took ~12: the rest was ~25 torch ops per layer, each a
+dispatch, an allocation and (for the oneDNN products) a primitive set up again,
+while the second thread spun waiting (perf: 58 % of its samples in libgomp's
+wait). `native/decode_layers.c` runs every layer of such a step in one OpenMP
+region (see its header for the phases, the products and where values are
+rounded); the embedding, the final norm and sampling stay in torch. The LM head
+of up to `MAX_ROWS` sampled rows (decode or prefill steps) runs on the same
+products (`NativeDecoder.logits`).
+
+Its products read a weight layout of their own (`blocked`: blocks of 32 output
+rows, each one contiguous stream), made at load from the checkpoint's rows
+before the oneDNN packing (`cpu_linear.py`), which keeps serving prefill chunks:
+a second copy of the projection weights and of the LM head (the memory planner
+counts it; `RuntimeConfig.cpu_native_decode=False` saves it).
+
+Measured on SmolLM2-135M, 2 threads, AMD EPYC with avx512_bf16, whole decode
+steps against the torch path (packed oneDNN products, the native attention):
+float32 1.9x at batch 1, 1.7x with 8 sequences, 1.3-1.8x with 16 to 128;
+bfloat16 2.3x, 2.0x, 1.3-1.7x (benchmarks/README.md; `sluice bench cpu` measures
+it beside llama.cpp).
+
+A step takes this path when every row is a decode, there are at most
+`MAX_ROWS`, no row uses a LoRA adapter, and the runtime was built with it. The
+runtime is built with it on the CPU in float32, or in bfloat16 where the CPU has
+AVX512-BF16, when the native decode attention loaded (same library,
+cpu_attention.py), the step is not compiled, the model is one unquantized rank,
+every projection is a plain `Linear` (or LoRA over one: not FP8, not a
+tensor-parallel shard) and every product's input width is even; otherwise the
+reason is logged and the torch path serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_runtime.config import ModelConfig, RuntimeConfig
+from gpu_runtime.context import StepContext
+from gpu_runtime.layers import Linear
+from gpu_runtime.lora import LoraLinear
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 128  # rows of a decode step it takes (decode_layers.c; measured faster to 128)
+BLOCK_ROWS = 32  # output rows per block of the kernel's weight layout
+WIDTH_MULTIPLE = 2  # a product's input width: whole bfloat16 pairs
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("kv", ctypes.c_void_p), ("window", ctypes.c_int64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+        "block_size", "num_blocks", "bf16")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def blocked(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> blocks of 32 output rows, each one stream: [ceil(N / 32), K / 2, 32, 2]
+    in bfloat16 (the pairs of the bf16 dot product), [ceil(N / 32), K, 32] in float32;
+    rows past N zero."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, (-n) % BLOCK_ROWS))
+    if weight.dtype == torch.bfloat16:
+        return padded.view(-1, BLOCK_ROWS, k // 2, 2).transpose(1, 2).contiguous()
+    return padded.view(-1, BLOCK_ROWS, k).transpose(1, 2).contiguous()
+
+
+@dataclass(slots=True)
+class _Projection:
+    weight: torch.Tensor  # blocked
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    def struct(self) -> _Proj:
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        return _Proj(self.weight.data_ptr(), bias, self.out_features, self.in_features)
+
+
+def _plain(module: nn.Module) -> Linear | None:
+    base = module.base if isinstance(module, LoraLinear) else module
+    return base if type(base) is Linear else None
+
+
+def _projection(parts: list[Linear]) -> _Projection:
+    weight = torch.cat([p.weight.data for p in parts]) if len(parts) > 1 else parts[0].weight.data
+    bias = None
+    if parts[0].bias is not None:
+        bias = torch.cat([p.bias.data for p in parts]).contiguous()
+    return _Projection(blocked(weight), bias, weight.shape[0], weight.shape[1])
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:
+        return False
+
+
+def why_not_native_decode(model: nn.Module, config: ModelConfig, device: torch.device,
+                          dtype: torch.dtype, compile: bool) -> str | None:
+    """None when `model`'s decode steps of few rows can run on the kernel, else why.
+    Call before `pack_cpu_linears` (it reads the plain projections)."""
+    from gpu_runtime.cpu_attention import why_not_native
+
+    reason = why_not_native(device, dtype, config.head_dim,
+                            config.num_heads // config.num_kv_heads, compile)
+    if reason is not None:
+        return f"no native decode attention: {reason}"
+    if dtype == torch.bfloat16 and not _cpu_has_avx512_bf16():
+        return "bfloat16 products need AVX512-BF16, which this CPU lacks"
+    widths = {"hidden_size": config.hidden_size,
+              "heads x head_dim": config.num_heads * config.head_dim,
+              "intermediate_size": config.intermediate_size}
+    for name, width in widths.items():
+        if width % WIDTH_MULTIPLE:
+            return f"{name} {width} is not a multiple of {WIDTH_MULTIPLE}"
+    if type(model.lm_head) is not Linear:
+        return f"the LM head is a {type(model.lm_head).__name__}, not a plain Linear"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for parent, names in ((attn, ATTENTION_PROJECTIONS), (mlp, MLP_PROJECTIONS)):
+            for name in names:
+                if _plain(getattr(parent, name)) is None:
+                    kind = type(getattr(parent, name)).__name__
+                    return f"{name} is a {kind}, not a plain Linear"
+    return None
+
+
+class NativeDecoder:
+    """The decoder layers' weights in the kernel's layout, and the call over them."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig) -> None:
+        from gpu_runtime.cpu_attention import load
+
+        kernel, reason = load()
+        if kernel is None:
+            raise RuntimeError(f"the native kernels are not loaded: {reason}")
+        fn = kernel.library.sluice_decode_layers
+        fn.restype = ctypes.c_int
+        # model, layers, x, rows; positions, slots, block tables, their width; lens, rope,
+        # rope length, work, threads (decode_layers.c)
+        fn.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+        ]  # fmt: skip
+        self.fn = fn
+        project = kernel.library.sluice_project
+        project.restype = ctypes.c_int
+        project.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                            ctypes.c_int, ctypes.c_int]
+        self.project_fn = project
+        self.config = config
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.layers: list[dict[str, object]] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            plain = {name: _plain(getattr(attn, name)) for name in ATTENTION_PROJECTIONS}
+            plain |= {name: _plain(getattr(mlp, name)) for name in MLP_PROJECTIONS}
+            self.layers.append({
+                "qkv": _projection([plain["q_proj"], plain["k_proj"], plain["v_proj"]]),
+                "o": _projection([plain["o_proj"]]),
+                "gate_up": _projection([plain["gate_proj"], plain["up_proj"]]),
+                "down": _projection([plain["down_proj"]]),
+                "norm1": layer.input_layernorm.weight.data,
+                "norm2": layer.post_attention_layernorm.weight.data,
+                "window": attn.window or 0,
+            })  # fmt: skip
+        # The LM head too (tied: a copy of the embedding rows): a step samples a few rows.
+        self.lm_head = _projection([model.lm_head])
+        self.lm_head_struct = self.lm_head.struct()
+        c = config
+        self.work_per_row = (c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                             + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+        self.model_struct: _Model | None = None
+        self.layer_structs: ctypes.Array[_Layer] | None = None
+
+    @property
+    def extra_bytes(self) -> int:
+        parts = [p for layer in self.layers for p in layer.values() if isinstance(p, _Projection)]
+        return sum(p.weight.numel() * p.weight.element_size() for p in [*parts, self.lm_head])
+
+    def bind(self, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        """Point the layers at their KV caches ([2, num_blocks, block_size, n_kv, D])."""
+        c = self.config
+        num_blocks = kv_caches[0].shape[1]
+        self.model_struct = _Model(
+            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, block_size, num_blocks, DTYPES[self.dtype],
+            c.rms_norm_eps, c.head_dim**-0.5)  # fmt: skip
+        structs = (_Layer * len(self.layers))()
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            structs[i] = _Layer(
+                layer["qkv"].struct(), layer["o"].struct(), layer["gate_up"].struct(),
+                layer["down"].struct(), layer["norm1"].data_ptr(), layer["norm2"].data_ptr(),
+                kv.data_ptr(), layer["window"])  # fmt: skip
+        self.layer_structs = structs
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext, rope: torch.Tensor) -> None:
+        """x: [rows, hidden] (the embeddings; the residual stream after, in place)."""
+        rows = x.shape[0]
+        tables = ctx.decode_block_tables
+        work = torch.empty(rows * self.work_per_row, dtype=self.dtype)
+        rc = self.fn(
+            ctypes.addressof(self.model_struct), ctypes.addressof(self.layer_structs),
+            x.data_ptr(), rows, ctx.positions.data_ptr(), ctx.slot_mapping.data_ptr(),
+            tables.data_ptr(), tables.shape[1], ctx.decode_lens.data_ptr(), rope.data_ptr(),
+            rope.shape[0], work.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(
+                "the native decode step failed: " + ("a position or cache slot out of range"
+                if rc == -1 else "attention could not read a row (no keys or past its table)"))
+
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [rows <= MAX_ROWS, hidden] -> float32 logits [rows, vocab] (rounded to
+        the model's dtype first, as the torch path's LM head output is)."""
+        hidden = hidden.contiguous()
+        out = torch.empty((hidden.shape[0], self.lm_head.out_features), dtype=self.dtype)
+        rc = self.project_fn(ctypes.addressof(self.lm_head_struct), hidden.data_ptr(),
+                             hidden.shape[0], out.data_ptr(), DTYPES[self.dtype],
+                             torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"the native LM head takes 1 to {MAX_ROWS} rows, not "
+                               f"{hidden.shape[0]}")
+        return out.float()
+
+
+def decodes_natively(config: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a runtime of `config` may hold the kernel's weight copy (the memory
+    planner's question; `build_shard` decides from the model itself)."""
+    return (config.cpu_native_decode and config.cpu_native_attention and device.type == "cpu"
+            and dtype in DTYPES and not config.compile and config.quantization == "none"
+            and config.tp == 1)

@@ -1,0 +1,368 @@
+/* A whole decode step's decoder layers in one call (CPU, AVX-512; bf16 products on
+   AVX512-BF16), for all-decode steps of up to MAX_ROWS rows.
+
+   A decode step is 30-odd layers of small products and
+   elementwise ops; through torch each is a dispatch, an allocation and (for the
+   products) a oneDNN primitive set up again, and the second thread waits while
+   the first does it (measured: 60 % of a SmolLM2 step at batch 1 outside the
+   products' kernels). Here one OpenMP region runs every layer: RMSNorm, the fused
+   q/k/v product, RoPE, the KV cache write, attention (decode_attention.c's task),
+   the output product and its residual, RMSNorm, the fused gate/up product, SiLU
+   and the down product and its residual; an implicit barrier between phases.
+
+   The products read weights laid out for this kernel: blocks of 32 output rows,
+   each one contiguous stream split between threads by blocks, inside a block
+   [K/2][32][2] bfloat16 (the pairs AVX512-BF16's dot product takes) or [K][32]
+   float32. Each input value (pair) is broadcast and multiplied into 32 output
+   columns at once: no horizontal sums, and every weight read serves all rows of
+   the step (in groups of 8 rows, a block read again from L2 for each group after
+   the first). Every cache line of the stream is prefetched 8 pairs (bf16) or 8
+   values (f32) ahead: without it the stream ran at 2/3 the speed.
+
+   Values are rounded where the torch path rounds them (each product's output, the residual sums, RoPE's
+   products and sum, SiLU and its product with up), so bfloat16 runs stay within
+   the torch path's own rounding. Loaded by gpu_runtime/cpu_decode.py. */
+
+#include "decode_attention.c"
+
+#include <string.h>
+
+#define MAX_ROWS 128  /* rows of a step (cpu_decode.MAX_ROWS) */
+#define ROW_GROUP 8  /* rows a block's products hold in registers at once */
+
+typedef struct {
+    const void *weight;  /* [ceil(N/32)][K/2][32][2] bf16 or [ceil(N/32)][K][32] f32; rows past N zero */
+    const void *bias;    /* [N] in the model's dtype, or NULL */
+    int64_t out_features, in_features;
+} sluice_proj;
+
+typedef struct {
+    sluice_proj qkv, o, gate_up, down;
+    const void *norm1, *norm2;  /* [hidden] */
+    void *kv;                   /* [2, num_blocks, block_size, num_kv_heads, head_dim] */
+    int64_t window;             /* 0: full attention */
+} sluice_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, num_blocks, bf16;
+    float eps, scale;
+} sluice_model;
+
+static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* round to nearest even at bfloat16 precision, kept as a float */
+static inline float round_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    return from_bits(u & 0xffff0000u);
+}
+
+static inline float load1(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    return from_bits((uint32_t)((const uint16_t *)p)[i] << 16);
+}
+
+/* stores v, rounded first when bf16 */
+static inline void store1(void *p, int64_t i, float v, int bf16) {
+    if (!bf16) { ((float *)p)[i] = v; return; }
+    uint32_t u; v = round_bf16(v); memcpy(&u, &v, 4);
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+
+static inline float rnd(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
+
+#define COLS 32  /* output rows per block: two vectors of 16 */
+
+/* The block's 32 outputs for M rows of x: out[c][m] holds outputs 16c..16c+15 of row m.
+   Up to 4 rows, two accumulator sets (even and odd pairs) halve the dependency chains. */
+/* acc[c][m] over the block's 32 outputs: bf16 layout [K/2][32][2] per block. */
+__attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void
+cols_bf16(const uint16_t *x, int64_t K, const uint16_t *wb, const int M, __m512 out[2][ROW_GROUP])
+{
+    __m512 a0[2][ROW_GROUP], a1[2][ROW_GROUP];
+    const int split = M <= 4;  /* two accumulator sets: chains half as long */
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) { a0[c][m] = _mm512_setzero_ps(); a1[c][m] = _mm512_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const uint16_t *w = wb + k * COLS;  /* pairs k, k+1 then k+2, k+3 */
+        for (int line = 0; line < 4; line++)  /* the 256 bytes 8 pairs ahead */
+            _mm_prefetch((const char *)(w + 16 * COLS + line * 32), _MM_HINT_T0);
+        const __m512bh w00 = (__m512bh)_mm512_loadu_si512(w), w01 = (__m512bh)_mm512_loadu_si512(w + 32);
+        const __m512bh w10 = (__m512bh)_mm512_loadu_si512(w + 64), w11 = (__m512bh)_mm512_loadu_si512(w + 96);
+        for (int m = 0; m < M; m++) {
+            int32_t p0, p1;
+            memcpy(&p0, x + m * K + k, 4); memcpy(&p1, x + m * K + k + 2, 4);
+            const __m512bh b0 = (__m512bh)_mm512_set1_epi32(p0), b1 = (__m512bh)_mm512_set1_epi32(p1);
+            a0[0][m] = _mm512_dpbf16_ps(a0[0][m], b0, w00);
+            a0[1][m] = _mm512_dpbf16_ps(a0[1][m], b0, w01);
+            if (split) {
+                a1[0][m] = _mm512_dpbf16_ps(a1[0][m], b1, w10);
+                a1[1][m] = _mm512_dpbf16_ps(a1[1][m], b1, w11);
+            } else {
+                a0[0][m] = _mm512_dpbf16_ps(a0[0][m], b1, w10);
+                a0[1][m] = _mm512_dpbf16_ps(a0[1][m], b1, w11);
+            }
+        }
+    }
+    for (; k < K; k += 2) {
+        const uint16_t *w = wb + k * COLS;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+        for (int m = 0; m < M; m++) {
+            int32_t p; memcpy(&p, x + m * K + k, 4);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(p);
+            a0[0][m] = _mm512_dpbf16_ps(a0[0][m], b, w0);
+            a0[1][m] = _mm512_dpbf16_ps(a0[1][m], b, w1);
+        }
+    }
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) out[c][m] = split ? _mm512_add_ps(a0[c][m], a1[c][m]) : a0[c][m];
+}
+
+/* As cols_bf16 for float32: the block is [K][32]. */
+static inline __attribute__((always_inline)) void
+cols_f32(const float *x, int64_t K, const float *wb, const int M, __m512 out[2][ROW_GROUP])
+{
+    __m512 a0[2][ROW_GROUP], a1[2][ROW_GROUP];
+    const int split = M <= 4;
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) { a0[c][m] = _mm512_setzero_ps(); a1[c][m] = _mm512_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+        const float *w = wb + k * COLS;
+        for (int line = 0; line < 4; line++)
+            _mm_prefetch((const char *)(w + 8 * COLS + line * 16), _MM_HINT_T0);
+        const __m512 w00 = _mm512_loadu_ps(w), w01 = _mm512_loadu_ps(w + 16);
+        const __m512 w10 = _mm512_loadu_ps(w + 32), w11 = _mm512_loadu_ps(w + 48);
+        for (int m = 0; m < M; m++) {
+            const __m512 b0 = _mm512_set1_ps(x[m * K + k]), b1 = _mm512_set1_ps(x[m * K + k + 1]);
+            a0[0][m] = _mm512_fmadd_ps(b0, w00, a0[0][m]);
+            a0[1][m] = _mm512_fmadd_ps(b0, w01, a0[1][m]);
+            if (split) {
+                a1[0][m] = _mm512_fmadd_ps(b1, w10, a1[0][m]);
+                a1[1][m] = _mm512_fmadd_ps(b1, w11, a1[1][m]);
+            } else {
+                a0[0][m] = _mm512_fmadd_ps(b1, w10, a0[0][m]);
+                a0[1][m] = _mm512_fmadd_ps(b1, w11, a0[1][m]);
+            }
+        }
+    }
+    for (; k < K; k++) {
+        const float *w = wb + k * COLS;
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        for (int m = 0; m < M; m++) {
+            const __m512 b = _mm512_set1_ps(x[m * K + k]);
+            a0[0][m] = _mm512_fmadd_ps(b, w0, a0[0][m]);
+            a0[1][m] = _mm512_fmadd_ps(b, w1, a0[1][m]);
+        }
+    }
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) out[c][m] = split ? _mm512_add_ps(a0[c][m], a1[c][m]) : a0[c][m];
+}
+
+#define DISPATCH(fn, x, K, w, M, out) switch (M) { \
+    case 1: fn(x, K, w, 1, out); break; case 2: fn(x, K, w, 2, out); break; \
+    case 3: fn(x, K, w, 3, out); break; case 4: fn(x, K, w, 4, out); break; \
+    case 5: fn(x, K, w, 5, out); break; case 6: fn(x, K, w, 6, out); break; \
+    case 7: fn(x, K, w, 7, out); break; default: fn(x, K, w, 8, out); break; }
+
+__attribute__((target("avx512f,avx512bf16"))) static void
+block_cols_bf16(const uint16_t *x, int64_t K, const uint16_t *w, int M, __m512 out[2][ROW_GROUP])
+{ DISPATCH(cols_bf16, x, K, w, M, out) }
+
+static void block_cols_f32(const float *x, int64_t K, const float *w, int M, __m512 out[2][ROW_GROUP])
+{ DISPATCH(cols_f32, x, K, w, M, out) }
+
+/* float32 bits rounded to nearest even at bfloat16 precision (in the upper half) */
+static inline __m512i rne_bits(__m512 v) {
+    __m512i x = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(rne_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline __m256i to_bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne_bits(v), 16)); }
+
+/* Outputs n0..n0+31 of rows m0..m0+rows-1: bias, rounding, and the residual sum. */
+static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], int m0, int rows,
+                               int64_t n0_block, void *y, void *residual, int bf16)
+{
+    const int64_t N = p->out_features;
+    for (int c = 0; c < 2; c++) {
+        const int64_t n0 = n0_block + c * 16;
+        if (n0 >= N) break;
+        const int64_t left = N - n0;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 bias = _mm512_setzero_ps();
+        if (p->bias)
+            bias = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p->bias + n0)), 16))
+                        : _mm512_maskz_loadu_ps(mask, (const float *)p->bias + n0);
+        for (int m = 0; m < rows; m++) {
+            __m512 v = _mm512_add_ps(acc[c][m], bias);
+            void *dst = residual ? residual : y;
+            const int64_t at = (int64_t)(m0 + m) * N + n0;
+            if (bf16) {
+                if (residual) {
+                    v = round16(v);
+                    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                            _mm256_maskz_loadu_epi16(mask, (const uint16_t *)dst + at)), 16)));
+                }
+                _mm256_mask_storeu_epi16((uint16_t *)dst + at, mask, to_bf16_bits(v));
+            } else {
+                if (residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)dst + at));
+                _mm512_mask_storeu_ps((float *)dst + at, mask, v);
+            }
+        }
+    }
+}
+
+/* y = x W^T + b for M rows (inside a parallel region: the blocks are shared out).
+   residual == 0: y[m][n] = round(y); else residual[m][n] = round(residual + round(y)),
+   as the torch path's `x + proj(h)`. */
+static void project(const sluice_proj *p, const void *x, int M, void *y, void *residual, int bf16)
+{
+    const int64_t N = p->out_features, K = p->in_features;
+    const int64_t num_blocks = (N + COLS - 1) / COLS;
+    #pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < num_blocks; blk++)
+        /* more than 8 rows: the block again for each group of 8 (from L2 after the first) */
+        for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
+            const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
+            __m512 acc[2][ROW_GROUP];
+            if (bf16)
+                block_cols_bf16((const uint16_t *)x + m0 * K, K,
+                                (const uint16_t *)p->weight + blk * COLS * K, rows, acc);
+            else
+                block_cols_f32((const float *)x + m0 * K, K,
+                               (const float *)p->weight + blk * COLS * K, rows, acc);
+            store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16);
+        }
+}
+
+/* RMSNorm of each row, as layers.RMSNorm: float32 normalisation, then (bf16) the
+   weight times the normalised row rounded to bf16. */
+static void rms_norm(const void *x, const void *weight, void *out, int M, int64_t dim, float eps,
+                     int bf16)
+{
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            const float v = load1(x, m * dim + i, bf16);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) {
+            const float v = rnd(load1(x, m * dim + i, bf16) * inv, bf16);
+            store1(out, m * dim + i, load1(weight, i, bf16) * v, bf16);
+        }
+    }
+}
+
+/* RoPE on each row's q and k heads in place (layers.apply_rope: x * cos +
+   roll(x, D/2) * signed_sin, each product and the sum rounded like the torch path's
+   ops), then k and v into the row's cache slot. */
+static void rope_and_write(const sluice_model *md, const sluice_layer *ly, void *qkv, int M,
+                           const int64_t *positions, const int64_t *slots, const float *rope)
+{
+    const int bf16 = (int)md->bf16;
+    const int64_t D = md->head_dim, half = D / 2, H = md->num_heads, nkv = md->num_kv_heads;
+    const int64_t row = (H + 2 * nkv) * D, token = nkv * D;
+    const int64_t v_offset = md->num_blocks * md->block_size * token;
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) {
+        const float *cs = rope + positions[m] * 2 * D;  /* [2, D]: cos, signed sin */
+        for (int64_t h = 0; h < H + nkv; h++) {
+            float rotated[MAX_DIM];
+            const int64_t base = m * row + h * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float c = rnd(cs[d], bf16), s = rnd(cs[D + d], bf16);
+                const float a = rnd(load1(qkv, base + d, bf16) * c, bf16);
+                const float b = rnd(load1(qkv, base + (d + half) % D, bf16) * s, bf16);
+                rotated[d] = a + b;
+            }
+            for (int64_t d = 0; d < D; d++) store1(qkv, base + d, rotated[d], bf16);
+        }
+        const int64_t k_base = m * row + H * D, v_base = k_base + token, slot = slots[m];
+        for (int64_t i = 0; i < token; i++) {
+            store1(ly->kv, slot * token + i, load1(qkv, k_base + i, bf16), bf16);
+            store1(ly->kv, v_offset + slot * token + i, load1(qkv, v_base + i, bf16), bf16);
+        }
+    }
+}
+
+/* act[m][i] = round(round(silu(gate)) * up), gate_up's rows [gate | up]. */
+static void silu_mul(const void *gate_up, void *act, int M, int64_t inter, int bf16)
+{
+    #pragma omp for schedule(static)
+    for (int64_t j = 0; j < M * inter; j++) {
+        const int64_t m = j / inter, i = j % inter;
+        const float g = load1(gate_up, m * 2 * inter + i, bf16);
+        const float u = load1(gate_up, m * 2 * inter + inter + i, bf16);
+        store1(act, j, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+    }
+}
+
+/* Runs every layer over x [rows, hidden] (the model's dtype, updated in place: the
+   residual stream). positions, slots, lens: [rows]; block_tables: [rows, max_blocks];
+   rope: [rope_len, 2, head_dim] float32 (layers.rope_cache); work: scratch of
+   `rows * (hidden + q/k/v + heads*head_dim + 3 * intermediate)` elements of the
+   model's dtype. Returns 0; -1 (nothing written) when an argument is out of range;
+   -2 when attention could not read a row (see attend_task). */
+int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, void *x, int rows,
+                         const int64_t *positions, const int64_t *slots,
+                         const int64_t *block_tables, int max_blocks, const int64_t *lens,
+                         const float *rope, int64_t rope_len, void *work, int num_threads)
+{
+    const int bf16 = (int)md->bf16, esize = bf16 ? 2 : 4;
+    const int64_t hidden = md->hidden, D = md->head_dim, H = md->num_heads, nkv = md->num_kv_heads;
+    const int64_t qkv_size = (H + 2 * nkv) * D, inter = md->intermediate;
+    const int64_t num_slots = md->num_blocks * md->block_size;
+    if (rows < 1 || rows > MAX_ROWS || D > MAX_DIM || D % 16 || H % nkv || H / nkv > MAX_GROUP)
+        return -1;
+    for (int m = 0; m < rows; m++)
+        if (positions[m] < 0 || positions[m] >= rope_len || slots[m] < 0 || slots[m] >= num_slots)
+            return -1;
+    char *h = (char *)work;  /* [rows, hidden] */
+    char *qkv = h + rows * hidden * esize;  /* [rows, (H + 2 nkv) D] */
+    char *attn = qkv + rows * qkv_size * esize;  /* [rows, H D] */
+    char *gate_up = attn + rows * H * D * esize;  /* [rows, 2 inter] */
+    char *act = gate_up + rows * 2 * inter * esize;  /* [rows, inter] */
+    int failed = 0;
+
+    #pragma omp parallel num_threads(num_threads)
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        const sluice_layer *ly = layers + l;
+        rms_norm(x, ly->norm1, h, rows, hidden, md->eps, bf16);
+        project(&ly->qkv, h, rows, qkv, NULL, bf16);
+        rope_and_write(md, ly, qkv, rows, positions, slots, rope);
+        #pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < rows * nkv; task++)
+            if (attend_task(qkv, qkv_size, ly->kv, attn, block_tables, lens, task / (int)nkv,
+                            task % (int)nkv, (int)H, (int)nkv, (int)D, (int)md->block_size,
+                            md->num_blocks, max_blocks, (int)ly->window, md->scale, bf16) != 0) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+        project(&ly->o, attn, rows, NULL, x, bf16);
+        rms_norm(x, ly->norm2, h, rows, hidden, md->eps, bf16);
+        project(&ly->gate_up, h, rows, gate_up, NULL, bf16);
+        silu_mul(gate_up, act, rows, inter, bf16);
+        project(&ly->down, act, rows, NULL, x, bf16);
+    }
+    return failed ? -2 : 0;
+}
+
+/* y [rows, N] = x [rows, K] W^T (+ b) in the model's dtype: the LM head of the rows
+   a step samples. Returns 0, or -1 for a row count the kernel does not take. */
+int sluice_project(const sluice_proj *p, const void *x, int rows, void *y, int bf16,
+                   int num_threads)
+{
+    if (rows < 1 || rows > MAX_ROWS) return -1;
+    #pragma omp parallel num_threads(num_threads)
+    project(p, x, rows, y, NULL, bf16);
+    return 0;
+}

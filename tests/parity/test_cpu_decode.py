@@ -1,0 +1,174 @@
+"""Decode steps of a few rows by one C call over all layers (`gpu_runtime.cpu_decode`).
+
+A runtime on it is checked against transformers and against the torch path
+(`cpu_native_decode=False`) on the same checkpoints, in float32 and bfloat16; the
+model, LoRA and session parity tests run on it too, as it is the CPU default for
+decode steps of up to 8 rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_runtime import SamplingParams, StepPlan
+from gpu_runtime.cpu_attention import load
+from gpu_runtime.cpu_decode import MAX_ROWS, blocked, why_not_native_decode
+from gpu_runtime.planner import MemoryRequest, weight_bytes_per_device
+from tests.parity.test_model_parity import VARIANTS
+from tests.runtime_support import (
+    assert_ragged_run_matches_hf,
+    make_hf_checkpoint,
+    make_runtime,
+    ragged_run,
+    random_prompt,
+)
+
+CPU = torch.device("cpu")
+KERNEL, NOT_HERE = load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no native kernel: {NOT_HERE}")
+
+
+def _count_native_steps(rt) -> list[int]:
+    """Wraps the runtime's decoder: the row count of every step it ran."""
+    decoder, rows = rt.runner.native_decoder, []
+    original = decoder.__call__
+
+    class Counting(type(decoder)):
+        def __call__(self, x, ctx, rope):
+            rows.append(x.shape[0])
+            return original(x, ctx, rope)
+
+    decoder.__class__ = Counting
+    return rows
+
+
+@pytest.mark.parametrize("variant", ["gqa", "tied_mha_bias", "llama3_rope_head_dim",
+                                     "mistral_window", "qwen2_mixed_window"])
+def test_native_decode_matches_transformers_and_the_torch_path(variant, tmp_path) -> None:
+    path, hf = make_hf_checkpoint(tmp_path, **VARIANTS[variant])
+    rt = make_runtime(path, device="cpu")
+    assert rt.runner.native_decoder is not None
+    rows = _count_native_steps(rt)
+    native = ragged_run(rt)
+    assert len(rows) >= 10 and max(rows) == 7  # the all-decode steps, of 1 to 7 rows
+    assert_ragged_run_matches_hf(hf, native, tol=2e-4)
+    off = make_runtime(path, device="cpu", cpu_native_decode=False)
+    assert off.runner.native_decoder is None
+    torch_path = ragged_run(off)
+    assert native[0] == torch_path[0]  # the same tokens
+    for s in native[1]:
+        diff = (torch.stack(native[1][s]) - torch.stack(torch_path[1][s])).abs().max().item()
+        assert diff <= 1e-4, (s, diff)
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="no AVX512-BF16")
+@pytest.mark.parametrize("variant", ["gqa", "tied_mha_bias", "qwen2_mixed_window"])
+def test_native_decode_in_bfloat16_matches_the_torch_path(variant, tmp_path) -> None:
+    """bfloat16: the same greedy tokens as the torch path (the parity configs' logits are
+    peaky), logits within bfloat16's rounding of the torch path's (the same rounding
+    points, other summation orders: a few units of 2^-8 of the logits' scale). Against
+    transformers in bfloat16: test_bf16_cpu.py, which runs on this path."""
+    path, _ = make_hf_checkpoint(tmp_path, **VARIANTS[variant])
+    native_rt = make_runtime(path, device="cpu", dtype="bfloat16")
+    assert native_rt.runner.native_decoder is not None
+    rows = _count_native_steps(native_rt)
+    native = ragged_run(native_rt)
+    assert rows
+    torch_path = ragged_run(make_runtime(path, device="cpu", dtype="bfloat16",
+                                         cpu_native_decode=False))
+    assert native[0] == torch_path[0]
+    for s in native[2]:
+        got, want = torch.stack(native[1][s]), torch.stack(torch_path[1][s])
+        scale = want.abs().max().item()
+        assert (got - want).abs().max().item() <= 0.05 * scale, s
+
+
+def test_more_rows_than_the_kernel_takes_go_the_torch_way(tmp_path) -> None:
+    path, _ = make_hf_checkpoint(tmp_path)
+    prompts = {f"s{i}": random_prompt(4 + i % 9, 30 + i) for i in range(MAX_ROWS + 1)}
+
+    def run(**overrides):
+        rt = make_runtime(path, device="cpu", kv_cache_len=16384, **overrides)
+        rows = _count_native_steps(rt) if rt.runner.native_decoder is not None else []
+        tokens = {s: [] for s in prompts}
+        for s, p in prompts.items():
+            rt.add_sequence(s, p, SamplingParams(max_tokens=8, ignore_eos=True))
+        for step in range(6):  # MAX_ROWS + 1 decodes at steps 1 and 2, one fewer after
+            plan = {s: q.num_uncomputed for s, q in rt.sequences.items()}
+            for o in rt.execute(StepPlan(plan)).outputs:
+                tokens[o.seq_id].append(o.token_id)
+            if step >= 2:
+                rt.remove_sequence(sorted(rt.sequences)[0])
+        return tokens, rows
+
+    native, rows = run()
+    torch_path, _ = run(cpu_native_decode=False)
+    assert rows == [MAX_ROWS, MAX_ROWS - 1, MAX_ROWS - 2]  # not the larger steps
+    assert native == torch_path
+
+
+def test_a_step_it_cannot_serve_is_an_error_not_garbage(tmp_path) -> None:
+    from gpu_runtime.runner import ScheduledSeq
+
+    path, _ = make_hf_checkpoint(tmp_path)
+    rt = make_runtime(path, device="cpu")
+    rt.add_sequence("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    rt.execute(StepPlan({"a": 3}))
+    runner, decoder, seq = rt.runner, rt.runner.native_decoder, rt.sequences["a"]
+    step = ScheduledSeq([seq.token_ids[-1]], seq.num_computed_tokens, list(seq.block_table))
+    ids, ctx, _ = runner.build_context([step])
+    assert ctx.native_decoder is decoder
+    x = runner.model.model.embed_tokens(ids)
+    decoder(x.clone(), ctx, runner.model.rope)  # as built: it serves
+    before = [kv.clone() for kv in runner.kv_caches]
+    for field, value in (("slot_mapping", 1 << 40), ("positions", runner.max_model_len + 5)):
+        good = getattr(ctx, field)
+        setattr(ctx, field, torch.tensor([value]))
+        with pytest.raises(RuntimeError, match="out of range"):
+            decoder(x.clone(), ctx, runner.model.rope)
+        setattr(ctx, field, good)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    ctx.decode_lens = torch.tensor([0])  # a row without keys
+    with pytest.raises(RuntimeError, match="could not read a row"):
+        decoder(x.clone(), ctx, runner.model.rope)
+
+
+def test_blocked_layout_holds_every_row_once() -> None:
+    weight = torch.randn(41, 64)  # 41 rows: the last block padded
+    b = blocked(weight)
+    assert b.shape == (2, 64, 32)
+    plain = b.transpose(1, 2).reshape(64, 64)
+    assert torch.equal(plain[:41], weight) and not plain[41:].any()
+    weight = weight.bfloat16()
+    b = blocked(weight)
+    assert b.shape == (2, 32, 32, 2)
+    plain = b.transpose(1, 2).reshape(64, 64)
+    assert torch.equal(plain[:41], weight) and not plain[41:].any()
+
+
+def test_no_native_decode_where_it_cannot_serve(tmp_path) -> None:
+    path, _ = make_hf_checkpoint(tmp_path, intermediate_size=75)
+    rt = make_runtime(path, device="cpu")
+    assert rt.runner.native_decoder is None
+    config = rt.model_config
+    assert "intermediate_size 75" in why_not_native_decode(
+        rt.runner.model, config, CPU, torch.float32, compile=False)
+    assert "compiled" in why_not_native_decode(rt.runner.model, config, CPU, torch.float32,
+                                               compile=True)
+    assert make_runtime(path, device="cpu", dtype="bfloat16", quantization="fp8",
+                        cpu_prepack=False).runner.native_decoder is None
+    path2, _ = make_hf_checkpoint(tmp_path / "b")
+    assert make_runtime(path2, device="cpu", cpu_native_decode=False).runner.native_decoder is None
+    assert make_runtime(path2, device="cpu", cpu_native_attention=False
+                        ).runner.native_decoder is None
+
+
+def test_the_planner_counts_the_weight_copy(tmp_path) -> None:
+    path, _ = make_hf_checkpoint(tmp_path)
+    rt = make_runtime(path, device="cpu")
+    config = rt.model_config
+    plain = weight_bytes_per_device(config, MemoryRequest(torch.float32, 4096))
+    with_copy = weight_bytes_per_device(config, MemoryRequest(torch.float32, 4096,
+                                                              decode_copy=True))
+    assert with_copy - plain >= rt.runner.native_decoder.extra_bytes
