@@ -18,9 +18,9 @@ counts it; `RuntimeConfig.cpu_native_decode=False` saves it).
 
 Measured on SmolLM2-135M, 2 threads, AMD EPYC with avx512_bf16, whole decode
 steps against the torch path (packed oneDNN products, the native attention):
-float32 1.9x at batch 1, 1.7x with 8 sequences, 1.3-1.8x with 16 to 128;
-bfloat16 2.3x, 2.0x, 1.3-1.7x (benchmarks/README.md; `sluice bench cpu` measures
-it beside llama.cpp).
+float32 1.9x at batch 1, 1.7x with 8 sequences, 1.2-1.8x with 16 to 128;
+bfloat16 2.3x, 2.0x, 1.3-1.7x in-process; 2.9x, 2.5x, 1.3x at 1, 8 and 32 in
+`sluice bench cpu`, which measures it beside llama.cpp (benchmarks/README.md).
 
 A step takes this path when every row is a decode, there are at most
 `MAX_ROWS`, no row uses a LoRA adapter, and the runtime was built with it. The
