@@ -248,9 +248,28 @@ class NativeDecoder:
         return out.float()
 
 
+def why_not_for_config(config: RuntimeConfig, device: torch.device,
+                       dtype: torch.dtype) -> str | None:
+    """None when a runtime of `config` may decode natively, else why (before the model
+    is read: `why_not_native_decode` checks the model)."""
+    if not config.cpu_native_decode:
+        return "cpu_native_decode is off"
+    if not config.cpu_native_attention:
+        return "cpu_native_attention is off (the step runs that kernel)"
+    if device.type != "cpu":
+        return f"the device is {device.type}"
+    if dtype not in DTYPES:
+        return f"the kernel computes in float32 or bfloat16, not {dtype}"
+    if config.compile:
+        return "the decode step is compiled"
+    if config.quantization != "none":
+        return f"the weights are {config.quantization}"
+    if config.tp != 1:
+        return f"the model is split over {config.tp} ranks"
+    return None
+
+
 def decodes_natively(config: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a runtime of `config` may hold the kernel's weight copy (the memory
     planner's question; `build_shard` decides from the model itself)."""
-    return (config.cpu_native_decode and config.cpu_native_attention and device.type == "cpu"
-            and dtype in DTYPES and not config.compile and config.quantization == "none"
-            and config.tp == 1)
+    return why_not_for_config(config, device, dtype) is None

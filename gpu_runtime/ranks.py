@@ -61,7 +61,7 @@ from gpu_runtime.config import ModelConfig, RuntimeConfig
 from gpu_runtime.cpu_attention import load as load_native_attention
 from gpu_runtime.cpu_attention import why_not_native
 from gpu_runtime.cpu_decode import MAX_ROWS as MAX_DECODE_ROWS
-from gpu_runtime.cpu_decode import NativeDecoder, decodes_natively, why_not_native_decode
+from gpu_runtime.cpu_decode import NativeDecoder, why_not_for_config, why_not_native_decode
 from gpu_runtime.cpu_linear import pack_cpu_linears, why_not_packed
 from gpu_runtime.errors import ModelLoadError, RankFailure
 from gpu_runtime.loader import load_model
@@ -161,10 +161,8 @@ def build_shard(
         wrap_parallel_linears(model, group)
     decoder = None
     if device.type == "cpu":  # before packing: it copies the plain projections' rows
-        reason = (why_not_native_decode(model, mc, device, dtype, config.compile)
-                  if decodes_natively(config, device, dtype) else
-                  "cpu_native_decode is off, or not one float32/bfloat16 rank unquantized "
-                  "and uncompiled")
+        reason = (why_not_for_config(config, device, dtype)
+                  or why_not_native_decode(model, mc, device, dtype, config.compile))
         if reason is None:
             decoder = NativeDecoder(model, mc)
             log.info("CPU decode steps of up to %d rows in one native call over all layers "

@@ -160,6 +160,14 @@ def ragged_run(rt: Runtime) -> tuple[dict[str, list[int]], dict[str, list[torch.
     return tokens, logits, prompts, mixed_steps
 
 
+def assert_same_ragged_run(got: tuple, want: tuple, tol: float) -> None:
+    """Two `ragged_run`s of one checkpoint: the same tokens, logits within `tol`."""
+    assert got[0] == want[0]
+    for s in got[1]:
+        diff = (torch.stack(got[1][s]) - torch.stack(want[1][s])).abs().max().item()
+        assert diff <= tol, (s, diff)
+
+
 def assert_ragged_run_matches_hf(hf_model: object, run: tuple, tol: float) -> None:
     """Every sequence of a `ragged_run`: 20 tokens, logits within `tol` of HF's on the
     same tokens, and HF's greedy choice at every step."""

@@ -15,18 +15,19 @@ import pytest
 import torch
 
 from gpu_runtime import cpu_attention
-from gpu_runtime.cpu_attention import load, why_not_native
+from gpu_runtime.cpu_attention import why_not_native
+from tests.parity.native_kernels import KERNEL, needs_native_kernels
 from tests.parity.test_model_parity import VARIANTS
 from tests.runtime_support import (
     assert_ragged_run_matches_hf,
+    assert_same_ragged_run,
     make_hf_checkpoint,
     make_runtime,
     ragged_run,
 )
 
 CPU = torch.device("cpu")
-KERNEL, NOT_HERE = load()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no native kernel: {NOT_HERE}")
+pytestmark = needs_native_kernels
 
 
 def _reference(q, kv, tables, lens, scale, window):
@@ -109,11 +110,7 @@ def test_native_runtime_matches_transformers_and_the_torch_path(variant, tmp_pat
     assert_ragged_run_matches_hf(hf, native, tol=2e-4)
     off = make_runtime(path, device="cpu", cpu_native_attention=False)
     assert off.runner.native_attention is None
-    torch_path = ragged_run(off)
-    assert native[0] == torch_path[0]  # the same tokens
-    for s in native[1]:
-        diff = (torch.stack(native[1][s]) - torch.stack(torch_path[1][s])).abs().max().item()
-        assert diff <= 1e-4, (s, diff)
+    assert_same_ragged_run(native, ragged_run(off), tol=1e-4)
 
 
 def test_no_kernel_where_it_cannot_serve() -> None:

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from gpu_runtime import SamplingParams, StepPlan
-from gpu_runtime.cpu_attention import load
 from gpu_runtime.cpu_decode import MAX_ROWS, blocked, why_not_native_decode
 from gpu_runtime.planner import MemoryRequest, weight_bytes_per_device
+from tests.parity.native_kernels import needs_native_kernels
 from tests.parity.test_model_parity import VARIANTS
 from tests.runtime_support import (
     assert_ragged_run_matches_hf,
+    assert_same_ragged_run,
     make_hf_checkpoint,
     make_runtime,
     ragged_run,
@@ -25,8 +26,7 @@ from tests.runtime_support import (
 )
 
 CPU = torch.device("cpu")
-KERNEL, NOT_HERE = load()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"no native kernel: {NOT_HERE}")
+pytestmark = needs_native_kernels
 
 
 def _count_native_steps(rt) -> list[int]:
@@ -55,11 +55,7 @@ def test_native_decode_matches_transformers_and_the_torch_path(variant, tmp_path
     assert_ragged_run_matches_hf(hf, native, tol=2e-4)
     off = make_runtime(path, device="cpu", cpu_native_decode=False)
     assert off.runner.native_decoder is None
-    torch_path = ragged_run(off)
-    assert native[0] == torch_path[0]  # the same tokens
-    for s in native[1]:
-        diff = (torch.stack(native[1][s]) - torch.stack(torch_path[1][s])).abs().max().item()
-        assert diff <= 1e-4, (s, diff)
+    assert_same_ragged_run(native, ragged_run(off), tol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="no AVX512-BF16")
@@ -158,6 +154,13 @@ def test_no_native_decode_where_it_cannot_serve(tmp_path) -> None:
                                                compile=True)
     assert make_runtime(path, device="cpu", dtype="bfloat16", quantization="fp8",
                         cpu_prepack=False).runner.native_decoder is None
+    from gpu_runtime.config import RuntimeConfig
+    from gpu_runtime.cpu_decode import why_not_for_config
+
+    assert why_not_for_config(RuntimeConfig(), CPU, torch.bfloat16) is None
+    assert "off" in why_not_for_config(RuntimeConfig(cpu_native_decode=False), CPU, torch.float32)
+    assert "2 ranks" in why_not_for_config(RuntimeConfig(tp=2), CPU, torch.float32)
+    assert "fp8" in why_not_for_config(RuntimeConfig(quantization="fp8"), CPU, torch.bfloat16)
     path2, _ = make_hf_checkpoint(tmp_path / "b")
     assert make_runtime(path2, device="cpu", cpu_native_decode=False).runner.native_decoder is None
     assert make_runtime(path2, device="cpu", cpu_native_attention=False
