@@ -130,7 +130,11 @@ def paged_attention(
         out[: ctx.num_decodes] = decodes(q[: ctx.num_decodes])
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.end)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale, window)
+        if ctx.native_attention is not None:  # the CPU kernel, keys read from the cache
+            out[rows] = ctx.native_attention.prefill(q[rows], kv, chunk.block_table,
+                                                     chunk.num_computed, scale, window)
+        else:
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv, chunk, scale, window)
     return out
 
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from gpu_runtime.cpu_attention import NativeDecodeAttention
 
 
 @dataclass(slots=True)
@@ -65,8 +69,10 @@ class StepContext:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     # The same for sliding-window layers (keys within the window); None without such layers.
     decode_window_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, S] bool
-    # On the CPU's native kernel (cpu_attention.py) decode rows take lengths, not masks.
-    native_attention: Callable[..., torch.Tensor] | None = None
+    # On the CPU's native kernels (cpu_attention.NativeDecodeAttention; every CPU step
+    # where they load) decode rows take lengths, not masks, and prefill chunks read
+    # their keys from the cache.
+    native_attention: NativeDecodeAttention | None = None
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64, keys visible to each row
     # The CPU's whole-step kernel (cpu_decode.py) when this step takes it.
     native_decoder: Callable[..., None] | None = None

@@ -189,9 +189,10 @@ def build_shard(
                   if config.cpu_native_attention else "cpu_native_attention is off")
         if reason is None:
             native, _ = load_native_attention()
-            log.info("CPU decode attention on the native kernel (paged cache read in place)")
+            log.info("CPU attention (decode and prefill) on the native kernels (paged cache "
+                     "read in place)")
         else:
-            log.info("CPU decode attention stays on the torch path: %s", reason)
+            log.info("CPU attention stays on the torch path: %s", reason)
     runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, config.compile,
                          native, decoder)
     return runner, adapters

@@ -66,7 +66,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = config.sliding_window
         self.use_triton = self.device.type == "cuda" and _triton_available()
-        self.native_attention = native_attention  # the CPU's decode kernel (cpu_attention.py)
+        self.native_attention = native_attention  # the CPU's attention kernels (cpu_attention.py)
         self.max_model_len = max_model_len
         model.init_rope(max_model_len, self.device)
         # One block more than the block manager hands out: the scratch block that
@@ -120,6 +120,7 @@ class ModelRunner:
             num_decodes=len(decode_tables),
             prefills=prefills,
             use_triton=self.use_triton,
+            native_attention=self.native_attention,
         )
         if decode_tables:
             self._add_decode_inputs(ctx, decode_tables, decode_lens)
@@ -141,7 +142,7 @@ class ModelRunner:
         ctx.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
         if self.native_attention is not None:  # it reads lengths and windows, not masks
-            ctx.native_attention, ctx.decode_lens = self.native_attention, lens_t
+            ctx.decode_lens = lens_t
             return
         keys = torch.arange(max_blocks * self.block_size, device=self.device)
         visible = keys[None, :] < lens_t[:, None]  # [B, S]

@@ -22,6 +22,12 @@ heads, head_dim 64, blocks of 16 out of order) for 1 to 32 sequences: the torch
 path (`gpu_runtime.attention.decode_attention`: gather + SDPA) beside the native
 kernel (`gpu_runtime.cpu_attention`), microseconds per layer (best of 5 passes of
 20 calls) and each one's relative error against the torch path in float32.
+
+Then prefill attention of one sequence's chunk (128 or 512 query rows, from the
+start or after 384 cached tokens) on the same shape: the torch path
+(`gpu_runtime.attention.prefill_attention`: SDPA's CPU flash attention) beside
+the native kernel (`NativeDecodeAttention.prefill`), microseconds per layer and
+the relative errors against the torch path in float32.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_runtime.attention import decode_attention
+from gpu_runtime.attention import decode_attention, prefill_attention
+from gpu_runtime.context import PrefillChunk
 from gpu_runtime.cpu_attention import load as load_native_attention
 from gpu_runtime.cpu_linear import PACK_ROWS
 
@@ -145,6 +152,49 @@ def attention_rows() -> list[dict[str, object]]:
     return rows
 
 
+def prefill_attention_rows() -> list[dict[str, object]]:
+    """The torch path and the native kernel on one prefill chunk, per case."""
+    native, reason = load_native_attention()
+    rows: list[dict[str, object]] = []
+    block_size, n_kv, heads, head_dim, scale = 16, 3, 9, 64, 0.125
+    for dtype in (torch.float32, torch.bfloat16):
+        for num_computed, n in ((0, 128), (0, 512), (384, 128)):
+            gen = torch.Generator().manual_seed(num_computed + n)
+            total = num_computed + n
+            blocks = (total + block_size - 1) // block_size
+            kv32 = torch.randn(2, blocks + 3, block_size, n_kv, head_dim, generator=gen)
+            table = torch.randperm(blocks + 3, generator=gen)[:blocks]
+            q32 = torch.randn(n, heads, head_dim, generator=gen)
+            chunk = PrefillChunk(0, n, num_computed, table)
+            kv, q = kv32.to(dtype), q32.to(dtype)
+
+            k_new, v_new = (kv[i][table].flatten(0, 1)[num_computed:total] for i in (0, 1))
+
+            def torch_path(q=q, k=k_new, v=v_new, kv=kv, chunk=chunk) -> torch.Tensor:
+                return prefill_attention(q, k, v, kv, chunk, scale)
+
+            want = prefill_attention(q.float(), k_new.float(), v_new.float(), kv.float(),
+                                     chunk, scale)
+
+            def error(got: torch.Tensor, want: torch.Tensor = want) -> float:
+                return ((got.float() - want).norm() / want.norm()).item()
+
+            row: dict[str, object] = {
+                "dtype": str(dtype).removeprefix("torch."), "cached": num_computed,
+                "rows": n, "torch_us": _calls_us(torch_path, calls=5),
+                "torch_error": error(torch_path()),
+            }
+            if native is not None:
+                row["native_us"] = _calls_us(lambda q=q, kv=kv, t=table, c=num_computed:
+                                             native.prefill(q, kv, t, c, scale), calls=5)
+                row["native_error"] = error(native.prefill(q, kv, table, num_computed, scale))
+                row["speedup"] = row["torch_us"] / row["native_us"]
+            else:
+                row["native"] = reason
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -161,6 +211,10 @@ def main() -> None:
                                        f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
     print("decode attention, us per layer (error: relative to the torch path in float32)")
     for row in attention_rows():
+        print("  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in row.items()), flush=True)
+    print("prefill attention, us per layer (error: relative to the torch path in float32)")
+    for row in prefill_attention_rows():
         print("  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in row.items()), flush=True)
 

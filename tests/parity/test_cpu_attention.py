@@ -1,7 +1,8 @@
-"""CPU decode attention by the C kernel over the paged cache (`gpu_runtime.cpu_attention`).
+"""CPU decode and prefill attention by the C kernels over the paged cache
+(`gpu_runtime.cpu_attention`).
 
-The kernel is checked against attention written out here in float64 (a loop over
-each sequence's keys, no paging helpers of ours), and a runtime on it against
+The kernels are checked against attention written out here in float64 (a loop over
+each row's keys, no paging helpers of ours), and a runtime on them against
 transformers and against the torch path (`cpu_native_attention=False`) on the same
 checkpoints; the model parity tests run on it too, as it is the CPU default.
 """
@@ -97,6 +98,56 @@ def test_a_row_it_cannot_read_is_an_error_not_garbage() -> None:
                                  (lens, tables.clone().fill_(kv.shape[1]))):  # past the cache
         with pytest.raises(RuntimeError, match="native decode attention failed"):
             KERNEL(q, kv, bad_tables, bad_lens, 0.25)
+
+
+def _prefill_case(dtype, n_kv, group, head_dim, num_computed, n, block_size=4, seed=0):
+    """One sequence's chunk: q [n, H, D] at positions num_computed.., its table, and
+    the same rows as decode rows (a table and a length each) for `_reference`."""
+    gen = torch.Generator().manual_seed(seed)
+    total = num_computed + n
+    blocks = (total + block_size - 1) // block_size
+    kv = torch.randn(2, blocks + 5, block_size, n_kv, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(blocks + 5, generator=gen)[: blocks + 1]  # out of order, one spare
+    q = torch.randn(n, n_kv * group, head_dim, generator=gen).to(dtype)
+    lens = torch.arange(num_computed + 1, total + 1)
+    return q, kv, table, table.repeat(n, 1), lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n_kv", "group", "head_dim"), [(1, 1, 16), (3, 3, 64), (2, 4, 128),
+                                                         (1, 16, 256), (4, 2, 48)])
+@pytest.mark.parametrize("window", [None, 1, 5, 16])
+@pytest.mark.parametrize(("num_computed", "n"), [(0, 1), (0, 37), (6, 29), (13, 3)])
+def test_prefill_kernel_matches_float64_attention(dtype, n_kv, group, head_dim, window,
+                                                  num_computed, n) -> None:
+    # chunks from the start and after cached tokens; tiles of 32 // group positions,
+    # so 37 rows end in a partial tile; key blocks of 8 cross the cache's blocks of 4
+    q, kv, table, tables, lens = _prefill_case(dtype, n_kv, group, head_dim, num_computed, n)
+    scale = head_dim**-0.5
+    want = _reference(q, kv, tables, lens, scale, window)
+    got = KERNEL.prefill(q, kv, table, num_computed, scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    error = (got.double() - want).abs().max().item()
+    assert error <= (1e-5 if dtype == torch.float32 else 1.6e-2), error
+
+
+def test_prefill_kernel_reads_strided_query_rows() -> None:
+    q, kv, table, _, _ = _prefill_case(torch.float32, 3, 3, 64, 5, 20)
+    wide = torch.randn(20, 12, 64)
+    wide[:, :9] = q
+    view = wide[:, :9]
+    assert not view.is_contiguous()
+    assert torch.equal(KERNEL.prefill(view, kv, table, 5, 0.125),
+                       KERNEL.prefill(q, kv, table, 5, 0.125))
+
+
+def test_a_prefill_table_it_cannot_read_is_an_error_not_garbage() -> None:
+    q, kv, table, _, _ = _prefill_case(torch.float32, 1, 1, 16, 3, 6)  # 9 tokens, 3 blocks
+    for bad in (table[:2],  # does not cover the chunk
+                table.clone().fill_(kv.shape[1]),  # past the cache
+                table.clone().fill_(-1)):
+        with pytest.raises(RuntimeError, match="does not cover its chunk"):
+            KERNEL.prefill(q, kv, bad, 3, 0.25)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "tied_mha_bias", "mistral_window",
