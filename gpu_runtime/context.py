@@ -15,12 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from gpu_runtime.cpu_attention import NativeDecodeAttention
+
+class NativeAttention(Protocol):
+    """What attention needs of the CPU kernels (cpu_attention.NativeDecodeAttention;
+    a protocol here so that this module imports nothing of the runtime's)."""
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+                 lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor: ...
+
+    def prefill(self, q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+                num_computed: int, scale: float, window: int | None = None) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -72,7 +80,7 @@ class StepContext:
     # On the CPU's native kernels (cpu_attention.NativeDecodeAttention; every CPU step
     # where they load) decode rows take lengths, not masks, and prefill chunks read
     # their keys from the cache.
-    native_attention: NativeDecodeAttention | None = None
+    native_attention: NativeAttention | None = None
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64, keys visible to each row
     # The CPU's whole-step kernel (cpu_decode.py) when this step takes it.
     native_decoder: Callable[..., None] | None = None
