@@ -27,30 +27,44 @@ static inline float from_bits_u16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
 }
 
-static inline void store16(void *p, __m512 v, int bf16) {
-    if (!bf16) { _mm512_storeu_ps((float *)p, v); return; }
-    /* round to nearest even, as torch's float -> bfloat16 (NaN is not expected here) */
+/* float32 bits rounded to nearest even at bfloat16 precision (in the upper half), as
+   torch's float -> bfloat16 (NaN is not expected here) */
+static inline __m512i rne_bits(__m512 v) {
     __m512i x = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    x = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+    return _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(rne_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline __m256i to_bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne_bits(v), 16)); }
+static inline uint16_t to_bf16(float v) {
+    uint32_t u; memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-/* e^x for x <= 0: 2^n * 2^f, f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
-   (relative error < 1e-7); scalef takes 2^n down to 0 for very negative x. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+static inline void store16(void *p, __m512 v, int bf16) {
+    if (!bf16) _mm512_storeu_ps((float *)p, v);
+    else _mm256_storeu_si256((__m256i *)p, to_bf16_bits(v));
+}
+
+/* e^x: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, |r| <= 0.35), e^r by its
+   Taylor series to degree 7 (relative error < 1e-8 on that range), scalef by 2^n. x is
+   clamped to [-104, 89] first: e^x is 0 below and infinite above in float32. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
     __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -67,26 +81,53 @@ static float *scores_for(int64_t n) {
     return scores_buf;
 }
 
+/* lane j: the sum of v[j]'s 16 lanes (16 horizontal sums in 45 operations, not 128) */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 x[8], y[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: v[2i] in slots 0 and 2, v[2i+1] in 1 and 3 */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per lane: v[4i] .. v[4i+3], one slot each */
+        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* add the four lanes: pairs of lanes, then pairs of pairs, keeping v's order */
+    const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#define KEYS 16  /* keys a score pass takes at once (converted to float32 first) */
+
 /* One (sequence b, KV head h) task: its `group` query heads over the sequence's keys.
    q: [batch, num_heads, head_dim] with rows `q_row_stride` elements apart (a view of
    the fused q/k product); out: [batch, num_heads, head_dim] contiguous; kv: [2,
    num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [batch, max_blocks];
    lens: [batch]. Returns 0, or -1 (nothing read or written) when the row has no keys,
-   reaches past its table or the cache, or no buffer could be had. */
-static int attend_task(
+   reaches past its table or the cache, or no buffer could be had.
+
+   Inlined with `group` and `chunks` (head_dim / 16) as constants for the usual shapes
+   (attend_task), so the queries and the output sums stay in registers: scores by
+   blocks of 16 keys (each query head's 16 dot products summed across lanes at once,
+   sum16), then softmax, then the values weighted into group x chunks accumulators. */
+static inline __attribute__((always_inline)) int attend(
     const void *q, int64_t q_row_stride, const void *kv, void *out,
-    const int64_t *block_tables, const int64_t *lens, int b, int h, int num_heads, int num_kv_heads,
-    int head_dim, int block_size, int64_t num_blocks, int max_blocks, int window, float scale, int bf16)
+    const int64_t *block_tables, const int64_t *lens, int b, int h, int num_heads,
+    int num_kv_heads, const int group, const int chunks, int block_size, int64_t num_blocks,
+    int max_blocks, int window, float scale, int bf16)
 {
-    const int group = num_heads / num_kv_heads, chunks = head_dim / 16;
-    const int esize = bf16 ? 2 : 4;
+    const int head_dim = chunks * 16, esize = bf16 ? 2 : 4;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;  /* elements */
     const int64_t v_offset = num_blocks * block_size * token_stride;
     const int64_t len = lens[b];
     const int64_t first = (window > 0 && len > window) ? len - window : 0;
     const int64_t n = len - first;
     if (n <= 0) return -1;  /* a decode row sees at least its own key */
-    float *scores = scores_for(n * group);
+    float *scores = scores_for(n * group);  /* [group][n] */
     if (!scores) return -1;
     const int64_t *table = block_tables + (int64_t)b * max_blocks;
     /* the blocks this row reads lie inside its table and the cache (else: no reads) */
@@ -101,40 +142,42 @@ static int attend_task(
         for (int c = 0; c < chunks; c++)
             qv[g][c] = _mm512_mul_ps(load16(qrow + c * 16 * esize, bf16), _mm512_set1_ps(scale));
     }
-    /* pass 1: scores, and each query head's maximum */
-    float maxs[MAX_GROUP];
-    for (int g = 0; g < group; g++) maxs[g] = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        const int64_t pos = first + j;
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
-        __m512 kc[MAX_DIM / 16];
-        for (int c = 0; c < chunks; c++) kc[c] = load16(krow + c * 16 * esize, bf16);
+    /* pass 1: scores by blocks of KEYS keys, and each query head's maximum */
+    __m512 maxs[MAX_GROUP];
+    for (int g = 0; g < group; g++) maxs[g] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+        const int count = n - j0 < KEYS ? (int)(n - j0) : KEYS;
+        float kb[KEYS][MAX_DIM] __attribute__((aligned(64)));
+        for (int j = 0; j < KEYS; j++) {
+            const int64_t pos = first + j0 + (j < count ? j : 0);  /* past the end: a copy */
+            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+            const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
+            for (int c = 0; c < chunks; c++) _mm512_store_ps(kb[j] + 16 * c, load16(krow + c * 16 * esize, bf16));
+        }
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
         for (int g = 0; g < group; g++) {
-            __m512 acc = _mm512_mul_ps(qv[g][0], kc[0]);
-            for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[g][c], kc[c], acc);
-            const float s = _mm512_reduce_add_ps(acc);
-            scores[g * n + j] = s;
-            if (s > maxs[g]) maxs[g] = s;
+            __m512 dots[KEYS];
+            for (int j = 0; j < KEYS; j++) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_load_ps(kb[j]));
+                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[g][c], _mm512_load_ps(kb[j] + 16 * c), acc);
+                dots[j] = acc;
+            }
+            const __m512 s = sum16(dots);
+            _mm512_mask_storeu_ps(scores + g * n + j0, valid, s);
+            maxs[g] = _mm512_mask_max_ps(maxs[g], valid, maxs[g], s);
         }
     }
     /* softmax numerators in place, and their sums */
     float sums[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + g * n;
-        const __m512 m = _mm512_set1_ps(maxs[g]);
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(maxs[g]));
         __m512 total = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), m));
-            _mm512_storeu_ps(row + j, e);
-            total = _mm512_add_ps(total, e);
-        }
-        if (j < n) {
-            const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), m));
-            _mm512_mask_storeu_ps(row + j, tail, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), m));
+            _mm512_mask_storeu_ps(row + j, k, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
         }
         sums[g] = _mm512_reduce_add_ps(total);
     }
@@ -159,6 +202,29 @@ static int attend_task(
             store16(orow + c * 16 * esize, _mm512_mul_ps(acc[g][c], inv), bf16);
     }
     return 0;
+}
+
+#define ATTEND(G, C) attend(q, q_row_stride, kv, out, block_tables, lens, b, h, num_heads, \
+    num_kv_heads, G, C, block_size, num_blocks, max_blocks, window, scale, bf16)
+
+/* attend() for one task: the usual (group, head_dim) pairs with both as constants. */
+static int attend_task(
+    const void *q, int64_t q_row_stride, const void *kv, void *out,
+    const int64_t *block_tables, const int64_t *lens, int b, int h, int num_heads, int num_kv_heads,
+    int head_dim, int block_size, int64_t num_blocks, int max_blocks, int window, float scale, int bf16)
+{
+    const int group = num_heads / num_kv_heads, chunks = head_dim / 16;
+    if (chunks == 4) switch (group) {
+        case 1: return ATTEND(1, 4); case 2: return ATTEND(2, 4); case 3: return ATTEND(3, 4);
+        case 4: return ATTEND(4, 4); case 5: return ATTEND(5, 4); case 6: return ATTEND(6, 4);
+        case 7: return ATTEND(7, 4); case 8: return ATTEND(8, 4); default: break;
+    }
+    if (chunks == 8) switch (group) {
+        case 1: return ATTEND(1, 8); case 2: return ATTEND(2, 8); case 3: return ATTEND(3, 8);
+        case 4: return ATTEND(4, 8); case 6: return ATTEND(6, 8); case 8: return ATTEND(8, 8);
+        default: break;
+    }
+    return ATTEND(group, chunks);
 }
 
 /* Every (sequence, KV head) of a decode batch (arguments as `attend_task`'s). Returns
@@ -280,13 +346,13 @@ static void prefill_tile(
         const __m512 zero = _mm512_setzero_ps(), ninf = _mm512_set1_ps(-INFINITY);
         const __m512 safe_lo = _mm512_mask_mov_ps(new_lo, _mm512_cmp_ps_mask(new_lo, ninf, _CMP_EQ_OQ), zero);
         const __m512 safe_hi = _mm512_mask_mov_ps(new_hi, _mm512_cmp_ps_mask(new_hi, ninf, _CMP_EQ_OQ), zero);
-        const __m512 corr_lo = exp_nonpositive(_mm512_sub_ps(m_lo, safe_lo));
-        const __m512 corr_hi = exp_nonpositive(_mm512_sub_ps(m_hi, safe_hi));
+        const __m512 corr_lo = exp16(_mm512_sub_ps(m_lo, safe_lo));
+        const __m512 corr_hi = exp16(_mm512_sub_ps(m_hi, safe_hi));
         m_lo = new_lo; m_hi = new_hi;
         l_lo = _mm512_mul_ps(l_lo, corr_lo); l_hi = _mm512_mul_ps(l_hi, corr_hi);
         for (int j = 0; j < KEY_BLOCK; j++) {
-            s_lo[j] = exp_nonpositive(_mm512_sub_ps(s_lo[j], safe_lo));
-            s_hi[j] = exp_nonpositive(_mm512_sub_ps(s_hi[j], safe_hi));
+            s_lo[j] = exp16(_mm512_sub_ps(s_lo[j], safe_lo));
+            s_hi[j] = exp16(_mm512_sub_ps(s_hi[j], safe_hi));
             l_lo = _mm512_add_ps(l_lo, s_lo[j]); l_hi = _mm512_add_ps(l_hi, s_hi[j]);
         }
         for (int d = 0; d < head_dim; d++) {
@@ -307,13 +373,8 @@ static void prefill_tile(
         char *orow = (char *)out + ((i0 + r / group) * num_heads + h * group + r % group) * head_dim * esize;
         for (int d = 0; d < head_dim; d++) {
             const float v = ot[d][r] * inv[r];
-            if (bf16) {
-                uint32_t u; memcpy(&u, &v, 4);
-                u += 0x7fff + ((u >> 16) & 1);
-                ((uint16_t *)orow)[d] = (uint16_t)(u >> 16);
-            } else {
-                ((float *)orow)[d] = v;
-            }
+            if (bf16) ((uint16_t *)orow)[d] = to_bf16(v);
+            else ((float *)orow)[d] = v;
         }
     }
 }

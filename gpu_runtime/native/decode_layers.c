@@ -49,29 +49,6 @@ typedef struct {
     float eps, scale;
 } sluice_model;
 
-static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* round to nearest even at bfloat16 precision, kept as a float */
-static inline float round_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    u += 0x7fff + ((u >> 16) & 1);
-    return from_bits(u & 0xffff0000u);
-}
-
-static inline float load1(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    return from_bits((uint32_t)((const uint16_t *)p)[i] << 16);
-}
-
-/* stores v, rounded first when bf16 */
-static inline void store1(void *p, int64_t i, float v, int bf16) {
-    if (!bf16) { ((float *)p)[i] = v; return; }
-    uint32_t u; v = round_bf16(v); memcpy(&u, &v, 4);
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-}
-
-static inline float rnd(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
-
 #define COLS 32  /* output rows per block: two vectors of 16 */
 #ifndef PREFETCH_BF16
 #define PREFETCH_BF16 16  /* pairs ahead (of 128 bytes each): 8 ran 5-10 % slower */
@@ -180,17 +157,6 @@ block_cols_bf16(const uint16_t *x, int64_t K, const uint16_t *w, int M, __m512 o
 static void block_cols_f32(const float *x, int64_t K, const float *w, int M, __m512 out[2][ROW_GROUP])
 { DISPATCH(cols_f32, x, K, w, M, out) }
 
-/* float32 bits rounded to nearest even at bfloat16 precision (in the upper half) */
-static inline __m512i rne_bits(__m512 v) {
-    __m512i x = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-}
-static inline __m512 round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(rne_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
-}
-static inline __m256i to_bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne_bits(v), 16)); }
-
 /* Outputs n0..n0+31 of rows m0..m0+rows-1: bias, rounding, and the residual sum. */
 static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], int m0, int rows,
                                int64_t n0_block, void *y, void *residual, int bf16)
@@ -248,6 +214,26 @@ static void project(const sluice_proj *p, const void *x, int M, void *y, void *r
         }
 }
 
+/* ---- the elementwise phases, 16 values a vector (tails masked) ---- */
+
+static inline __mmask16 first_n(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* element i of a row of the model's dtype */
+static inline char *elem(const void *p, int64_t i, int bf16) { return (char *)p + i * (bf16 ? 2 : 4); }
+
+static inline __m512 load16m(const void *p, __mmask16 k, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+/* stores v, rounded to nearest even first when bf16 */
+static inline void store16m(void *p, __mmask16 k, __m512 v, int bf16) {
+    if (!bf16) _mm512_mask_storeu_ps((float *)p, k, v);
+    else _mm256_mask_storeu_epi16(p, k, to_bf16_bits(v));
+}
+
+static inline __m512 rnd16(__m512 v, int bf16) { return bf16 ? round16(v) : v; }
+
 /* RMSNorm of each row, as layers.RMSNorm: float32 normalisation, then (bf16) the
    weight times the normalised row rounded to bf16. */
 static void rms_norm(const void *x, const void *weight, void *out, int M, int64_t dim, float eps,
@@ -255,26 +241,29 @@ static void rms_norm(const void *x, const void *weight, void *out, int M, int64_
 {
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; i++) {
-            const float v = load1(x, m * dim + i, bf16);
-            sum += v * v;
+        const char *row = elem(x, m * dim, bf16);
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 v = load16m(elem(row, i, bf16), first_n(dim - i), bf16);
+            squares = _mm512_fmadd_ps(v, v, squares);
         }
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) {
-            const float v = rnd(load1(x, m * dim + i, bf16) * inv, bf16);
-            store1(out, m * dim + i, load1(weight, i, bf16) * v, bf16);
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __mmask16 k = first_n(dim - i);
+            const __m512 v = rnd16(_mm512_mul_ps(load16m(elem(row, i, bf16), k, bf16), inv), bf16);
+            store16m(elem(out, m * dim + i, bf16), k,
+                     _mm512_mul_ps(load16m(elem(weight, i, bf16), k, bf16), v), bf16);
         }
     }
 }
 
 /* RoPE on each row's q and k heads in place (layers.apply_rope: x * cos +
    roll(x, D/2) * signed_sin, each product and the sum rounded like the torch path's
-   ops), then k and v into the row's cache slot. */
+   ops), then k and v into the row's cache slot. D is a multiple of 16. */
 static void rope_and_write(const sluice_model *md, const sluice_layer *ly, void *qkv, int M,
                            const int64_t *positions, const int64_t *slots, const float *rope)
 {
-    const int bf16 = (int)md->bf16;
+    const int bf16 = (int)md->bf16, esize = bf16 ? 2 : 4;
     const int64_t D = md->head_dim, half = D / 2, H = md->num_heads, nkv = md->num_kv_heads;
     const int64_t row = (H + 2 * nkv) * D, token = nkv * D;
     const int64_t v_offset = md->num_blocks * md->block_size * token;
@@ -282,33 +271,42 @@ static void rope_and_write(const sluice_model *md, const sluice_layer *ly, void 
     for (int m = 0; m < M; m++) {
         const float *cs = rope + positions[m] * 2 * D;  /* [2, D]: cos, signed sin */
         for (int64_t h = 0; h < H + nkv; h++) {
-            float rotated[MAX_DIM];
-            const int64_t base = m * row + h * D;
-            for (int64_t d = 0; d < D; d++) {
-                const float c = rnd(cs[d], bf16), s = rnd(cs[D + d], bf16);
-                const float a = rnd(load1(qkv, base + d, bf16) * c, bf16);
-                const float b = rnd(load1(qkv, base + (d + half) % D, bf16) * s, bf16);
-                rotated[d] = a + b;
+            char *head = elem(qkv, m * row + h * D, bf16);
+            float twice[2 * MAX_DIM];  /* the head twice: roll(x, D/2) is one slice of it */
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 v = load16m(elem(head, d, bf16), 0xffff, bf16);
+                _mm512_storeu_ps(twice + d, v);
+                _mm512_storeu_ps(twice + D + d, v);
             }
-            for (int64_t d = 0; d < D; d++) store1(qkv, base + d, rotated[d], bf16);
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 c = rnd16(_mm512_loadu_ps(cs + d), bf16);
+                const __m512 s = rnd16(_mm512_loadu_ps(cs + D + d), bf16);
+                const __m512 a = rnd16(_mm512_mul_ps(_mm512_loadu_ps(twice + d), c), bf16);
+                const __m512 b = rnd16(_mm512_mul_ps(_mm512_loadu_ps(twice + d + half), s), bf16);
+                store16m(elem(head, d, bf16), 0xffff, _mm512_add_ps(a, b), bf16);
+            }
         }
-        const int64_t k_base = m * row + H * D, v_base = k_base + token, slot = slots[m];
-        for (int64_t i = 0; i < token; i++) {
-            store1(ly->kv, slot * token + i, load1(qkv, k_base + i, bf16), bf16);
-            store1(ly->kv, v_offset + slot * token + i, load1(qkv, v_base + i, bf16), bf16);
-        }
+        const int64_t k_base = m * row + H * D, slot = slots[m];
+        memcpy(elem(ly->kv, slot * token, bf16), elem(qkv, k_base, bf16), (size_t)(token * esize));
+        memcpy(elem(ly->kv, v_offset + slot * token, bf16), elem(qkv, k_base + token, bf16),
+               (size_t)(token * esize));
     }
 }
 
-/* act[m][i] = round(round(silu(gate)) * up), gate_up's rows [gate | up]. */
+/* act[m][i] = round(round(silu(gate)) * up), gate_up's rows [gate | up]; silu(g) is
+   g / (1 + e^-g), as torch computes it. */
 static void silu_mul(const void *gate_up, void *act, int M, int64_t inter, int bf16)
 {
+    const int64_t chunks = (inter + 15) / 16;
     #pragma omp for schedule(static)
-    for (int64_t j = 0; j < M * inter; j++) {
-        const int64_t m = j / inter, i = j % inter;
-        const float g = load1(gate_up, m * 2 * inter + i, bf16);
-        const float u = load1(gate_up, m * 2 * inter + inter + i, bf16);
-        store1(act, j, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+    for (int64_t j = 0; j < M * chunks; j++) {
+        const int64_t m = j / chunks, i = j % chunks * 16;
+        const __mmask16 k = first_n(inter - i);
+        const __m512 g = load16m(elem(gate_up, m * 2 * inter + i, bf16), k, bf16);
+        const __m512 u = load16m(elem(gate_up, m * 2 * inter + inter + i, bf16), k, bf16);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = rnd16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), bf16);
+        store16m(elem(act, m * inter + i, bf16), k, _mm512_mul_ps(silu, u), bf16);
     }
 }
 
