@@ -171,6 +171,11 @@ class NativeDecoder:
         project.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                             ctypes.c_int, ctypes.c_int]
         self.project_fn = project
+        argmax = kernel.library.sluice_argmax
+        argmax.restype = ctypes.c_int
+        argmax.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int]
+        self.argmax_fn = argmax
         self.config = config
         self.dtype = model.model.embed_tokens.weight.dtype
         self.layers: list[dict[str, object]] = []
@@ -246,6 +251,20 @@ class NativeDecoder:
             raise RuntimeError(f"the native LM head takes 1 to {MAX_ROWS} rows, not "
                                f"{hidden.shape[0]}")
         return out.float()
+
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits.argmax(dim=-1)` of [rows, vocab] float32 on the CPU, torch's rule (the
+        first of equal maxima, a NaN above all), by the kernel: torch's ran at ~1 G
+        values/s here, 1.2 ms of a 32-row SmolLM2 step. Other inputs go to torch."""
+        if (logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+                or not logits.is_contiguous() or logits.shape[0] == 0):
+            return logits.argmax(dim=-1)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        if self.argmax_fn(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                          torch.get_num_threads()) != 0:
+            return logits.argmax(dim=-1)
+        return out
 
 
 def why_not_for_config(config: RuntimeConfig, device: torch.device,

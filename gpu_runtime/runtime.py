@@ -38,7 +38,7 @@ from gpu_runtime.parallel import check_tp
 from gpu_runtime.planner import MemoryPlan, MemoryRequest, available_device_bytes, plan_memory
 from gpu_runtime.ranks import HelperRanks, TPRunner, build_shard
 from gpu_runtime.runner import ScheduledSeq
-from gpu_runtime.sampling import make_batch, sample
+from gpu_runtime.sampling import make_batch, sample, torch_argmax
 from gpu_runtime.sequence import (
     SamplingParams,
     SeqOutput,
@@ -96,6 +96,8 @@ class Runtime:
         self._grammars: Grammars | None = None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.clock = StepClock()  # where the steps' time went (`sluice bench overhead`)
+        decoder = getattr(self.runner, "native_decoder", None)  # the CPU kernels' argmax
+        self._argmax = decoder.argmax if decoder is not None else torch_argmax
 
     def close(self) -> None:
         """Stop the helper ranks (tp > 1); a no-op at tp=1. The runtime is unusable after."""
@@ -355,7 +357,7 @@ class Runtime:
         constrained = any(m is not None for m in matchers)
         adjusted = penalties.process(logits, seqs)
         sampled = sample(mask_rows(adjusted, matchers) if constrained else adjusted, batch,
-                         self.generator)
+                         self.generator, self._argmax)
         token_ids = sampled.tolist()
         logprobs = _logprobs(logits, sampled, [p.logprobs for p in params])
         limit = self._context_len

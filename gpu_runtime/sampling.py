@@ -9,9 +9,16 @@ its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] float32 -> [B] int64, first maximum
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 @dataclass(slots=True)
@@ -55,9 +62,11 @@ def _filter_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Ten
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator) -> torch.Tensor:
-    """logits: [B, V] float32 -> token ids [B] int64."""
-    greedy_ids = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator,
+           argmax: Argmax = torch_argmax) -> torch.Tensor:
+    """logits: [B, V] float32 -> token ids [B] int64. `argmax` may be a faster one with
+    torch's rule (the CPU kernel's, `NativeDecoder.argmax`)."""
+    greedy_ids = argmax(logits)
     if batch.all_greedy:
         return greedy_ids
     greedy = batch.temperatures == 0
@@ -70,5 +79,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator) 
     for row, gen in enumerate(batch.generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = argmax(probs / noise)
     return torch.where(greedy, greedy_ids, sampled)

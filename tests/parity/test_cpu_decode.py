@@ -175,3 +175,30 @@ def test_the_planner_counts_the_weight_copy(tmp_path) -> None:
     with_copy = weight_bytes_per_device(config, MemoryRequest(torch.float32, 4096,
                                                               decode_copy=True))
     assert with_copy - plain >= rt.runner.native_decoder.extra_bytes
+
+
+def test_the_kernels_argmax_is_torchs(tmp_path) -> None:
+    """Greedy rows pick by the kernel's argmax: the same index as torch.argmax for ties
+    (the first), rows of -inf, NaN (torch ranks it above every number), tails past the
+    last 16 values, more rows than threads; and a runtime samples with it."""
+    path, _ = make_hf_checkpoint(tmp_path)
+    rt = make_runtime(path, device="cpu")
+    decoder = rt.runner.native_decoder
+    assert rt._argmax == decoder.argmax
+    gen = torch.Generator().manual_seed(7)
+    for rows, cols in ((1, 1), (3, 15), (5, 16), (33, 49_157), (128, 1_000)):
+        x = torch.randn(rows, cols, generator=gen)
+        top = x.max() + 1
+        x[::2, [cols // 2, cols - 1]] = top  # even rows: two equal maxima, the first wins
+        x[1::2, cols - 1] = top  # odd rows: the maximum in the tail
+        if rows > 3:
+            x[3, : cols // 3] = float("inf")
+            x[-1] = float("-inf")
+        if rows > 2:
+            x[1, cols - 1] = float("nan")
+            x[2, [cols // 4, cols - 2]] = float("nan")
+        assert torch.equal(decoder.argmax(x), x.argmax(dim=-1)), (rows, cols)
+    quantised = (torch.randn(64, 2_000, generator=gen) * 4).round()  # many equal maxima
+    assert torch.equal(decoder.argmax(quantised), quantised.argmax(dim=-1))
+    strided = torch.randn(4, 64, generator=gen)[:, ::2]  # not contiguous: torch's own
+    assert torch.equal(decoder.argmax(strided), strided.argmax(dim=-1))
