@@ -71,7 +71,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-        "block_size", "num_blocks", "bf16")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        "block_size", "num_blocks", "bf16")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                                                ("final_norm", ctypes.c_void_p)]
 
 
 def blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -159,11 +160,12 @@ class NativeDecoder:
         fn = kernel.library.sluice_decode_layers
         fn.restype = ctypes.c_int
         # model, layers, x, rows; positions, slots, block tables, their width; lens, rope,
-        # rope length, work, threads (decode_layers.c)
+        # rope length, work, threads, out (decode_layers.c)
         fn.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p,
         ]  # fmt: skip
         self.fn = fn
         project = kernel.library.sluice_project
@@ -192,6 +194,7 @@ class NativeDecoder:
                 "norm2": layer.post_attention_layernorm.weight.data,
                 "window": attn.window or 0,
             })  # fmt: skip
+        self.final_norm = model.model.norm.weight.data
         # The LM head too (tied: a copy of the embedding rows): a step samples a few rows.
         self.lm_head = _projection([model.lm_head])
         self.lm_head_struct = self.lm_head.struct()
@@ -213,7 +216,7 @@ class NativeDecoder:
         self.model_struct = _Model(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.intermediate_size, block_size, num_blocks, DTYPES[self.dtype],
-            c.rms_norm_eps, c.head_dim**-0.5)  # fmt: skip
+            c.rms_norm_eps, c.head_dim**-0.5, self.final_norm.data_ptr())  # fmt: skip
         structs = (_Layer * len(self.layers))()
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             structs[i] = _Layer(
@@ -222,35 +225,39 @@ class NativeDecoder:
                 kv.data_ptr(), layer["window"])  # fmt: skip
         self.layer_structs = structs
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext, rope: torch.Tensor) -> None:
-        """x: [rows, hidden] (the embeddings; the residual stream after, in place)."""
+    def __call__(self, x: torch.Tensor, ctx: StepContext, rope: torch.Tensor) -> torch.Tensor:
+        """x: [rows, hidden] (the embeddings; the residual stream after, in place) -> the
+        last layer's output through the model's final norm, [rows, hidden]."""
         rows = x.shape[0]
         tables = ctx.decode_block_tables
         work = torch.empty(rows * self.work_per_row, dtype=self.dtype)
+        out = torch.empty_like(x)
         rc = self.fn(
             ctypes.addressof(self.model_struct), ctypes.addressof(self.layer_structs),
             x.data_ptr(), rows, ctx.positions.data_ptr(), ctx.slot_mapping.data_ptr(),
             tables.data_ptr(), tables.shape[1], ctx.decode_lens.data_ptr(), rope.data_ptr(),
-            rope.shape[0], work.data_ptr(), torch.get_num_threads(),
+            rope.shape[0], work.data_ptr(), torch.get_num_threads(), out.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(
                 "the native decode step failed: " + ("a position or cache slot out of range"
                 if rc == -1 else "attention could not read a row (no keys or past its table)"))
+        return out
 
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [rows <= MAX_ROWS, hidden] -> float32 logits [rows, vocab] (rounded to
-        the model's dtype first, as the torch path's LM head output is)."""
+        the model's dtype first, as the torch path's LM head output is; the kernel writes
+        them as float32, so no second pass converts them)."""
         hidden = hidden.contiguous()
-        out = torch.empty((hidden.shape[0], self.lm_head.out_features), dtype=self.dtype)
+        out = torch.empty((hidden.shape[0], self.lm_head.out_features), dtype=torch.float32)
         rc = self.project_fn(ctypes.addressof(self.lm_head_struct), hidden.data_ptr(),
                              hidden.shape[0], out.data_ptr(), DTYPES[self.dtype],
                              torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"the native LM head takes 1 to {MAX_ROWS} rows, not "
                                f"{hidden.shape[0]}")
-        return out.float()
+        return out
 
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

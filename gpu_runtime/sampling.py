@@ -23,9 +23,10 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class SamplingBatch:
-    temperatures: torch.Tensor  # [B] float32, 0 = greedy
-    top_ks: torch.Tensor  # [B] int64, 0 = off
-    top_ps: torch.Tensor  # [B] float32, 1 = off
+    # None when every row is greedy (sample needs none of them: three tensors a step saved)
+    temperatures: torch.Tensor | None  # [B] float32, 0 = greedy
+    top_ks: torch.Tensor | None  # [B] int64, 0 = off
+    top_ps: torch.Tensor | None  # [B] float32, 1 = off
     generators: list[torch.Generator | None]  # per row; None = the shared generator
     all_greedy: bool
     any_filter: bool
@@ -38,12 +39,14 @@ def make_batch(
     generators: list[torch.Generator | None],
     device: torch.device,
 ) -> SamplingBatch:
+    if all(t == 0 for t in temperatures):
+        return SamplingBatch(None, None, None, generators, all_greedy=True, any_filter=False)
     return SamplingBatch(
         temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
         top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
         top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
         generators=generators,
-        all_greedy=all(t == 0 for t in temperatures),
+        all_greedy=False,
         any_filter=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps),
     )
 

@@ -51,6 +51,7 @@ typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t block_size, num_blocks, bf16;
     float eps, scale;
+    const void *final_norm;  /* [hidden]: the model's last RMSNorm */
 } sluice_model;
 
 #define COLS 32  /* output rows per block: two vectors of 16 */
@@ -161,9 +162,12 @@ block_cols_bf16(const uint16_t *x, int64_t K, const uint16_t *w, int M, __m512 o
 static void block_cols_f32(const float *x, int64_t K, const float *w, int M, __m512 out[2][ROW_GROUP])
 { DISPATCH(cols_f32, x, K, w, M, out) }
 
-/* Outputs n0..n0+31 of rows m0..m0+rows-1: bias, rounding, and the residual sum. */
+static inline __m512 rnd16(__m512 v, int bf16) { return bf16 ? round16(v) : v; }
+
+/* Outputs n0..n0+31 of rows m0..m0+rows-1: bias, rounding, and the residual sum.
+   y_f32: y is float32 whatever the model's dtype (values rounded to it first). */
 static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], int m0, int rows,
-                               int64_t n0_block, void *y, void *residual, int bf16)
+                               int64_t n0_block, void *y, void *residual, int bf16, int y_f32)
 {
     const int64_t N = p->out_features;
     for (int c = 0; c < 2; c++) {
@@ -180,7 +184,9 @@ static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], i
             __m512 v = _mm512_add_ps(acc[c][m], bias);
             void *dst = residual ? residual : y;
             const int64_t at = (int64_t)(m0 + m) * N + n0;
-            if (bf16) {
+            if (y_f32 && !residual) {
+                _mm512_mask_storeu_ps((float *)y + at, mask, rnd16(v, bf16));
+            } else if (bf16) {
                 if (residual) {
                     v = round16(v);
                     v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -197,8 +203,9 @@ static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], i
 
 /* y = x W^T + b for M rows (inside a parallel region: the blocks are shared out).
    residual == 0: y[m][n] = round(y); else residual[m][n] = round(residual + round(y)),
-   as the torch path's `x + proj(h)`. */
-static void project(const sluice_proj *p, const void *x, int M, void *y, void *residual, int bf16)
+   as the torch path's `x + proj(h)`. y_f32: see store_block. */
+static void project(const sluice_proj *p, const void *x, int M, void *y, void *residual, int bf16,
+                    int y_f32)
 {
     const int64_t N = p->out_features, K = p->in_features;
     const int64_t num_blocks = (N + COLS - 1) / COLS;
@@ -214,7 +221,7 @@ static void project(const sluice_proj *p, const void *x, int M, void *y, void *r
             else
                 block_cols_f32((const float *)x + m0 * K, K,
                                (const float *)p->weight + blk * COLS * K, rows, acc);
-            store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16);
+            store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16, y_f32);
         }
 }
 
@@ -235,8 +242,6 @@ static inline void store16m(void *p, __mmask16 k, __m512 v, int bf16) {
     if (!bf16) _mm512_mask_storeu_ps((float *)p, k, v);
     else _mm256_mask_storeu_epi16(p, k, to_bf16_bits(v));
 }
-
-static inline __m512 rnd16(__m512 v, int bf16) { return bf16 ? round16(v) : v; }
 
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES (32 << 10)  /* paired A/B, SmolLM2 steps: 1-4 % faster at 1 and 8 rows; 128 KiB no better */
@@ -340,12 +345,14 @@ static void silu_mul(const void *gate_up, void *act, int M, int64_t inter, int b
    residual stream). positions, slots, lens: [rows]; block_tables: [rows, max_blocks];
    rope: [rope_len, 2, head_dim] float32 (layers.rope_cache); work: scratch of
    `rows * (hidden + q/k/v + heads*head_dim + 3 * intermediate)` elements of the
-   model's dtype. Returns 0; -1 (nothing written) when an argument is out of range;
-   -2 when attention could not read a row (see attend_task). */
+   model's dtype; out: [rows, hidden], the last layer's output through the model's final
+   RMSNorm. Returns 0; -1 (nothing written) when an argument is out of range; -2 when
+   attention could not read a row (see attend_task). */
 int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, void *x, int rows,
                          const int64_t *positions, const int64_t *slots,
                          const int64_t *block_tables, int max_blocks, const int64_t *lens,
-                         const float *rope, int64_t rope_len, void *work, int num_threads)
+                         const float *rope, int64_t rope_len, void *work, int num_threads,
+                         void *out)
 {
     const int bf16 = (int)md->bf16, esize = bf16 ? 2 : 4;
     const int64_t hidden = md->hidden, D = md->head_dim, H = md->num_heads, nkv = md->num_kv_heads;
@@ -364,12 +371,13 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
     int failed = 0;
 
     #pragma omp parallel num_threads(num_threads)
+    {
     for (int64_t l = 0; l < md->num_layers; l++) {
         const sluice_layer *ly = layers + l;
         rms_norm(x, ly->norm1, h, rows, hidden, md->eps, bf16);
         prefetch_share(&ly->qkv, bf16);
         #pragma omp barrier
-        project(&ly->qkv, h, rows, qkv, NULL, bf16);
+        project(&ly->qkv, h, rows, qkv, NULL, bf16, 0);
         rope_and_write(md, ly, qkv, rows, positions, slots, rope);
         #pragma omp for schedule(dynamic, 1) nowait
         for (int task = 0; task < rows * nkv; task++)
@@ -381,27 +389,30 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
             }
         prefetch_share(&ly->o, bf16);
         #pragma omp barrier
-        project(&ly->o, attn, rows, NULL, x, bf16);
+        project(&ly->o, attn, rows, NULL, x, bf16, 0);
         rms_norm(x, ly->norm2, h, rows, hidden, md->eps, bf16);
         prefetch_share(&ly->gate_up, bf16);
         #pragma omp barrier
-        project(&ly->gate_up, h, rows, gate_up, NULL, bf16);
+        project(&ly->gate_up, h, rows, gate_up, NULL, bf16, 0);
         silu_mul(gate_up, act, rows, inter, bf16);
         prefetch_share(&ly->down, bf16);
         #pragma omp barrier
-        project(&ly->down, act, rows, NULL, x, bf16);
+        project(&ly->down, act, rows, NULL, x, bf16, 0);
+    }
+    rms_norm(x, md->final_norm, out, rows, hidden, md->eps, bf16);
     }
     return failed ? -2 : 0;
 }
 
-/* y [rows, N] = x [rows, K] W^T (+ b) in the model's dtype: the LM head of the rows
-   a step samples. Returns 0, or -1 for a row count the kernel does not take. */
-int sluice_project(const sluice_proj *p, const void *x, int rows, void *y, int bf16,
+/* y [rows, N] float32 = x [rows, K] W^T (+ b), rounded to the model's dtype first (as the
+   torch path's product in that dtype, then .float()): the LM head of the rows a step
+   samples. Returns 0, or -1 for a row count the kernel does not take. */
+int sluice_project(const sluice_proj *p, const void *x, int rows, float *y, int bf16,
                    int num_threads)
 {
     if (rows < 1 || rows > MAX_ROWS) return -1;
     #pragma omp parallel num_threads(num_threads)
-    project(p, x, rows, y, NULL, bf16);
+    project(p, x, rows, y, NULL, bf16, 1);
     return 0;
 }
 
