@@ -23,7 +23,7 @@ float32 1.9x at batch 1, 1.7x with 8 sequences, 1.2-1.8x with 16 to 128;
 bfloat16 2.3x, 2.0x, 1.3-1.7x in-process; 2.9x, 2.5x, 1.3x at 1, 8 and 32 in
 `sluice bench cpu`, which measures it beside llama.cpp (benchmarks/README.md).
 With the elementwise phases vectorised, attention by blocks of 16 keys and the KV
-cache on huge pages (2026-12-04): 2.4-2.5x, 2.2-2.5x, 1.5-1.6x there.
+cache on huge pages (2026-12-04): 2.4-2.5x, 2.2-2.5x, 1.5-1.7x there.
 
 A step takes this path when every row is a decode, there are at most
 `MAX_ROWS`, no row uses a LoRA adapter, and the runtime was built with it. The
@@ -247,7 +247,6 @@ class NativeDecoder:
                 if rc == -1 else "attention could not read a row (no keys or past its table)"))
         return out
 
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [rows <= MAX_ROWS, hidden] -> float32 logits [rows, vocab] (rounded to
         the model's dtype first, as the torch path's LM head output is; the kernel writes
@@ -261,7 +260,6 @@ class NativeDecoder:
             raise RuntimeError(f"the native LM head takes 1 to {MAX_ROWS} rows, not "
                                f"{hidden.shape[0]}")
         return out
-
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits.argmax(dim=-1)` of [rows, vocab] float32 on the CPU, torch's rule (the
