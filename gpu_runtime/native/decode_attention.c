@@ -28,6 +28,18 @@ static inline __m512 load16(const void *p, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* the first n of 16 lanes */
+static inline __mmask16 first_n(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* element i of a row of the model's dtype */
+static inline char *elem(const void *p, int64_t i, int bf16) { return (char *)p + i * (bf16 ? 2 : 4); }
+
+/* load16 of the lanes in k (the others 0) */
+static inline __m512 load16m(const void *p, __mmask16 k, int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
 static inline float from_bits_u16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
 }
@@ -51,6 +63,12 @@ static inline uint16_t to_bf16(float v) {
 static inline void store16(void *p, __m512 v, int bf16) {
     if (!bf16) _mm512_storeu_ps((float *)p, v);
     else _mm256_storeu_si256((__m256i *)p, to_bf16_bits(v));
+}
+
+/* store16 of the lanes in k */
+static inline void store16m(void *p, __mmask16 k, __m512 v, int bf16) {
+    if (!bf16) _mm512_mask_storeu_ps((float *)p, k, v);
+    else _mm256_mask_storeu_epi16(p, k, to_bf16_bits(v));
 }
 
 /* e^x: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, |r| <= 0.35), e^r by its
@@ -159,7 +177,7 @@ static inline __attribute__((always_inline)) int attend(
             const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
             for (int c = 0; c < chunks; c++) _mm512_store_ps(kb[j] + 16 * c, load16(krow + c * 16 * esize, bf16));
         }
-        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        const __mmask16 valid = first_n(count);
         for (int g = 0; g < group; g++) {
             __m512 dots[KEYS];
             for (int j = 0; j < KEYS; j++) {
@@ -179,7 +197,7 @@ static inline __attribute__((always_inline)) int attend(
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(maxs[g]));
         __m512 total = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __mmask16 k = first_n(n - j);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), m));
             _mm512_mask_storeu_ps(row + j, k, e);
             total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));

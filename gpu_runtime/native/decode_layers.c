@@ -173,44 +173,45 @@ static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], i
     for (int c = 0; c < 2; c++) {
         const int64_t n0 = n0_block + c * 16;
         if (n0 >= N) break;
-        const int64_t left = N - n0;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 bias = _mm512_setzero_ps();
-        if (p->bias)
-            bias = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                              _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p->bias + n0)), 16))
-                        : _mm512_maskz_loadu_ps(mask, (const float *)p->bias + n0);
+        const __mmask16 mask = first_n(N - n0);
+        const __m512 bias = p->bias ? load16m(elem(p->bias, n0, bf16), mask, bf16) : _mm512_setzero_ps();
         for (int m = 0; m < rows; m++) {
             __m512 v = _mm512_add_ps(acc[c][m], bias);
-            void *dst = residual ? residual : y;
             const int64_t at = (int64_t)(m0 + m) * N + n0;
             if (y_f32 && !residual) {
                 _mm512_mask_storeu_ps((float *)y + at, mask, rnd16(v, bf16));
-            } else if (bf16) {
-                if (residual) {
-                    v = round16(v);
-                    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                            _mm256_maskz_loadu_epi16(mask, (const uint16_t *)dst + at)), 16)));
-                }
-                _mm256_mask_storeu_epi16((uint16_t *)dst + at, mask, to_bf16_bits(v));
+            } else if (residual) {
+                v = _mm512_add_ps(rnd16(v, bf16), load16m(elem(residual, at, bf16), mask, bf16));
+                store16m(elem(residual, at, bf16), mask, v, bf16);
             } else {
-                if (residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)dst + at));
-                _mm512_mask_storeu_ps((float *)dst + at, mask, v);
+                store16m(elem(y, at, bf16), mask, v, bf16);
             }
         }
     }
 }
 
-/* y = x W^T + b for M rows (inside a parallel region: the blocks are shared out).
+/* This thread's part of n items split between the region's threads: contiguous
+   parts, the first n % threads parts one longer (as libgomp's schedule(static)).
+   `project` shares its blocks out by it and `prefetch_share` warms the same part. */
+static inline void thread_part(int64_t n, int64_t *first, int64_t *count)
+{
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = n / threads, extra = n % threads;
+    *first = t * per + (t < extra ? t : extra);
+    *count = per + (t < extra);
+}
+
+/* y = x W^T + b for M rows (inside a parallel region: the blocks shared out by
+   thread_part, a barrier after).
    residual == 0: y[m][n] = round(y); else residual[m][n] = round(residual + round(y)),
    as the torch path's `x + proj(h)`. y_f32: see store_block. */
 static void project(const sluice_proj *p, const void *x, int M, void *y, void *residual, int bf16,
                     int y_f32)
 {
     const int64_t N = p->out_features, K = p->in_features;
-    const int64_t num_blocks = (N + COLS - 1) / COLS;
-    #pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < num_blocks; blk++)
+    int64_t first, count;
+    thread_part((N + COLS - 1) / COLS, &first, &count);
+    for (int64_t blk = first; blk < first + count; blk++)
         /* more than 8 rows: the block again for each group of 8 (from L2 after the first) */
         for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
             const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
@@ -223,44 +224,26 @@ static void project(const sluice_proj *p, const void *x, int M, void *y, void *r
                                (const float *)p->weight + blk * COLS * K, rows, acc);
             store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16, y_f32);
         }
+    #pragma omp barrier
 }
 
 /* ---- the elementwise phases, 16 values a vector (tails masked) ---- */
-
-static inline __mmask16 first_n(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-/* element i of a row of the model's dtype */
-static inline char *elem(const void *p, int64_t i, int bf16) { return (char *)p + i * (bf16 ? 2 : 4); }
-
-static inline __m512 load16m(const void *p, __mmask16 k, int bf16) {
-    if (!bf16) return _mm512_maskz_loadu_ps(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-
-/* stores v, rounded to nearest even first when bf16 */
-static inline void store16m(void *p, __mmask16 k, __m512 v, int bf16) {
-    if (!bf16) _mm512_mask_storeu_ps((float *)p, k, v);
-    else _mm256_mask_storeu_epi16(p, k, to_bf16_bits(v));
-}
 
 #ifndef AHEAD_BYTES
 #define AHEAD_BYTES (32 << 10)  /* paired A/B, SmolLM2 steps: 1-4 % faster at 1 and 8 rows; 128 KiB no better */
 #endif
 
-/* Sends the first AHEAD_BYTES of this thread's share of p's weights (the blocks
-   `project`'s static schedule will give it, as libgomp splits them) on their way to L2,
-   so the product starts on data already near instead of waiting for its stream to ramp
-   up. Each thread calls it once its part of the phase before is done (at one row, one
-   thread has all the norm's and RoPE's work and the other nothing). */
+/* Sends the first AHEAD_BYTES of this thread's part of p's weights (the blocks
+   `project` will give it, thread_part) on their way to L2, so the product starts on
+   data already near instead of waiting for its stream to ramp up. Each thread calls
+   it once its part of the phase before is done (at one row, one thread has all the
+   norm's and RoPE's work and the other nothing). */
 static void prefetch_share(const sluice_proj *p, int bf16)
 {
-    const int64_t bytes = AHEAD_BYTES;
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t num_blocks = (p->out_features + COLS - 1) / COLS;
-    const int64_t per = num_blocks / threads, extra = num_blocks % threads;
-    const int64_t first = t * per + (t < extra ? t : extra), mine = per + (t < extra);
+    int64_t first, count;
+    thread_part((p->out_features + COLS - 1) / COLS, &first, &count);
     const int64_t block_bytes = COLS * p->in_features * (bf16 ? 2 : 4);
-    const int64_t end = mine * block_bytes < bytes ? mine * block_bytes : bytes;
+    const int64_t end = count * block_bytes < AHEAD_BYTES ? count * block_bytes : AHEAD_BYTES;
     const char *w = (const char *)p->weight + first * block_bytes;
     for (int64_t at = 0; at < end; at += 64) _mm_prefetch(w + at, _MM_HINT_T1);
 }
@@ -305,7 +288,7 @@ static void rope_and_write(const sluice_model *md, const sluice_layer *ly, void 
             char *head = elem(qkv, m * row + h * D, bf16);
             float twice[2 * MAX_DIM];  /* the head twice: roll(x, D/2) is one slice of it */
             for (int64_t d = 0; d < D; d += 16) {
-                const __m512 v = load16m(elem(head, d, bf16), 0xffff, bf16);
+                const __m512 v = load16(elem(head, d, bf16), bf16);
                 _mm512_storeu_ps(twice + d, v);
                 _mm512_storeu_ps(twice + D + d, v);
             }
@@ -314,7 +297,7 @@ static void rope_and_write(const sluice_model *md, const sluice_layer *ly, void 
                 const __m512 s = rnd16(_mm512_loadu_ps(cs + D + d), bf16);
                 const __m512 a = rnd16(_mm512_mul_ps(_mm512_loadu_ps(twice + d), c), bf16);
                 const __m512 b = rnd16(_mm512_mul_ps(_mm512_loadu_ps(twice + d + half), s), bf16);
-                store16m(elem(head, d, bf16), 0xffff, _mm512_add_ps(a, b), bf16);
+                store16(elem(head, d, bf16), _mm512_add_ps(a, b), bf16);
             }
         }
         const int64_t k_base = m * row + H * D, slot = slots[m];
