@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -23,16 +24,22 @@ from worker.worker import Worker, WorkerOptions
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 POISON = 7  # a prompt holding this token id makes the injected fault fire
+STEP_SECONDS = 0.01  # 512 tokens then take over 5 s, so the healthy requests overlap
 
 
 class FaultyRuntime(Runtime):
     """The real runtime, whose step raises — without saying for whom, as a kernel
-    fault would — whenever a sequence whose prompt holds POISON is in it."""
+    fault would — whenever a sequence whose prompt holds POISON is in it.
+
+    Each step also takes at least STEP_SECONDS: the tiny model decodes 512 tokens in
+    about 0.3 s, less than the gap between the first request a consumer fetch hands
+    the worker and the rest, so six requests were never all running at once."""
 
     def execute(self, plan: StepPlan) -> StepOutput:
         for seq_id in plan.num_scheduled_tokens:
             if POISON in self.get_sequence(seq_id).token_ids[:8]:
                 raise RuntimeError("injected fault in the model step")
+        time.sleep(STEP_SECONDS)
         return super().execute(plan)
 
 
