@@ -84,6 +84,8 @@ class StepContext:
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64, keys visible to each row
     # The CPU's whole-step kernel (cpu_decode.py) when this step takes it.
     native_decoder: Callable[..., None] | None = None
+    # Float32 [rows, vocab] it fills with every row's logits when the step samples each.
+    native_logits: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Inputs of the Triton kernel (one program per query row), built only on CUDA.
     token_seq_idx: torch.Tensor | None = None  # [T] int32, row -> sequence index

@@ -4,12 +4,13 @@ At batch 1 a SmolLM2 decode step through torch was 28-30 ms, of which the
 products' kernels took ~12: the rest was ~25 torch ops per layer, each a
 dispatch, an allocation and (for the oneDNN products) a primitive set up again,
 while the second thread spun waiting (perf: 58 % of its samples in libgomp's
-wait). `native/decode_layers.c` runs every layer of such a step in one OpenMP
-region (see its header for the phases, the products and where values are
-rounded) and then the final norm; the embedding and sampling stay in torch. The
-LM head of up to `MAX_ROWS` sampled rows (decode or prefill steps) runs on the
-same products (`NativeDecoder.logits`, float32 logits), and the runtime picks
-greedy (and sampled) tokens with the library's argmax (`NativeDecoder.argmax`).
+wait). `native/decode_layers.c` runs such a step from its token ids in one
+OpenMP region: the embedding's rows, every layer (see its header for the phases,
+the products and where values are rounded), the final norm and, as a decode step
+samples every row, the LM head's float32 logits. The LM head of the rows other
+steps sample (prefill chunks, up to `MAX_ROWS`) runs on the same products
+(`NativeDecoder.logits`), and the runtime picks greedy (and sampled) tokens with
+the library's argmax (`NativeDecoder.argmax`); the rest of sampling stays in torch.
 
 Its products read a weight layout of their own (`blocked`: blocks of 32 output
 rows, each one contiguous stream), made at load from the checkpoint's rows
@@ -75,7 +76,9 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "block_size", "num_blocks", "bf16")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                                                ("final_norm", ctypes.c_void_p)]
+                                                ("final_norm", ctypes.c_void_p),
+                                                ("embed", ctypes.c_void_p),
+                                                ("vocab", ctypes.c_int64), ("lm_head", _Proj)]
 
 
 def blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -139,6 +142,8 @@ def why_not_native_decode(model: nn.Module, config: ModelConfig, device: torch.d
     for name, width in widths.items():
         if width % WIDTH_MULTIPLE:
             return f"{name} {width} is not a multiple of {WIDTH_MULTIPLE}"
+    if type(model.model.embed_tokens) is not nn.Embedding:
+        return f"the embedding is a {type(model.model.embed_tokens).__name__}, not nn.Embedding"
     if type(model.lm_head) is not Linear:
         return f"the LM head is a {type(model.lm_head).__name__}, not a plain Linear"
     for layer in model.model.layers:
@@ -162,13 +167,13 @@ class NativeDecoder:
             raise RuntimeError(f"the native kernels are not loaded: {reason}")
         fn = kernel.library.sluice_decode_layers
         fn.restype = ctypes.c_int
-        # model, layers, x, rows; positions, slots, block tables, their width; lens, rope,
-        # rope length, work, threads, out (decode_layers.c)
+        # model, layers, x, rows; token ids, positions, slots, block tables, their width;
+        # lens, rope, rope length, work, threads, out, logits (decode_layers.c)
         fn.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p,
         ]  # fmt: skip
         self.fn = fn
         project = kernel.library.sluice_project
@@ -198,6 +203,7 @@ class NativeDecoder:
                 "window": attn.window or 0,
             })  # fmt: skip
         self.final_norm = model.model.norm.weight.data
+        self.embed = model.model.embed_tokens.weight.data
         # The LM head too (tied: a copy of the embedding rows): a step samples a few rows.
         self.lm_head = _projection([model.lm_head])
         self.lm_head_struct = self.lm_head.struct()
@@ -219,7 +225,8 @@ class NativeDecoder:
         self.model_struct = _Model(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.intermediate_size, block_size, num_blocks, DTYPES[self.dtype],
-            c.rms_norm_eps, c.head_dim**-0.5, self.final_norm.data_ptr())  # fmt: skip
+            c.rms_norm_eps, c.head_dim**-0.5, self.final_norm.data_ptr(), self.embed.data_ptr(),
+            self.embed.shape[0], self.lm_head_struct)  # fmt: skip
         structs = (_Layer * len(self.layers))()
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             structs[i] = _Layer(
@@ -228,23 +235,30 @@ class NativeDecoder:
                 kv.data_ptr(), layer["window"])  # fmt: skip
         self.layer_structs = structs
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext, rope: torch.Tensor) -> torch.Tensor:
-        """x: [rows, hidden] (the embeddings; the residual stream after, in place) -> the
-        last layer's output through the model's final norm, [rows, hidden]."""
-        rows = x.shape[0]
-        tables = ctx.decode_block_tables
-        work = torch.empty(rows * self.work_per_row, dtype=self.dtype)
-        out = torch.empty_like(x)
+    def __call__(self, input_ids: torch.Tensor, ctx: StepContext, rope: torch.Tensor
+                 ) -> torch.Tensor:
+        """input_ids: [rows] int64 -> the last layer's output through the model's final
+        norm, [rows, hidden]; also every row's float32 logits into `ctx.native_logits`
+        when the step gives it ([rows, vocab])."""
+        rows = input_ids.shape[0]
+        tables, logits = ctx.decode_block_tables, ctx.native_logits
+        # one allocation: the residual stream, the output and the phases' scratch
+        hidden = self.config.hidden_size
+        work = torch.empty(rows * (self.work_per_row + 2 * hidden), dtype=self.dtype)
+        x = work[: rows * hidden].view(rows, hidden)
+        out = work[rows * hidden : 2 * rows * hidden].view(rows, hidden)
         rc = self.fn(
             ctypes.addressof(self.model_struct), ctypes.addressof(self.layer_structs),
-            x.data_ptr(), rows, ctx.positions.data_ptr(), ctx.slot_mapping.data_ptr(),
-            tables.data_ptr(), tables.shape[1], ctx.decode_lens.data_ptr(), rope.data_ptr(),
-            rope.shape[0], work.data_ptr(), torch.get_num_threads(), out.data_ptr(),
+            x.data_ptr(), rows, input_ids.data_ptr(), ctx.positions.data_ptr(),
+            ctx.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
+            ctx.decode_lens.data_ptr(), rope.data_ptr(), rope.shape[0],
+            work[2 * rows * hidden :].data_ptr(), torch.get_num_threads(), out.data_ptr(),
+            None if logits is None else logits.data_ptr(),
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(
-                "the native decode step failed: " + ("a position or cache slot out of range"
-                if rc == -1 else "attention could not read a row (no keys or past its table)"))
+            raise RuntimeError("the native decode step failed: " + (
+                "a token id, position or cache slot out of range" if rc == -1
+                else "attention could not read a row (no keys or past its table)"))
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

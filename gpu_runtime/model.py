@@ -118,9 +118,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """input_ids: [T] -> hidden states [T, hidden]."""
+        if ctx.native_decoder is not None:  # the embedding, every layer and the norm in C
+            return ctx.native_decoder(input_ids, ctx, self.rope)  # (cpu_decode.py)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if ctx.native_decoder is not None:  # every layer and the norm in one C call
-            return ctx.native_decoder(x, ctx, self.rope)  # (cpu_decode.py)
         cos_sin = self.rope[ctx.positions].to(x.dtype)  # [T, 2, D]
         ctx.cos = cos_sin[:, 0:1]  # [T, 1, D]
         ctx.sin = cos_sin[:, 1:2]  # first half negated (rope_cache)

@@ -226,8 +226,14 @@ class ModelRunner:
         """
         started = time.perf_counter()
         input_ids, ctx, last_rows = self.build_context(seqs)
+        if ctx.native_decoder is not None and len(rows_to_sample) == len(seqs):
+            # every row a decode, each sampled: the kernel's call ends with the LM head
+            ctx.native_logits = torch.empty(
+                (len(seqs), self.native_decoder.lm_head.out_features), dtype=torch.float32)
         self.last_inputs_s = time.perf_counter() - started  # read by the step clock
         hidden = self.step(input_ids, ctx)  # [T, hidden]
+        if ctx.native_logits is not None:
+            return ctx.native_logits
         if not rows_to_sample:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = torch.tensor([last_rows[i] for i in rows_to_sample], device=self.device)

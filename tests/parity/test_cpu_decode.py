@@ -30,14 +30,17 @@ pytestmark = needs_native_kernels
 
 
 def _count_native_steps(rt) -> list[int]:
-    """Wraps the runtime's decoder: the row count of every step it ran."""
+    """Wraps the runtime's decoder: the row count of every step it ran. Each such step
+    samples every row, so each must end with the LM head's logits in the same call."""
     decoder, rows = rt.runner.native_decoder, []
     original = decoder.__call__
 
     class Counting(type(decoder)):
-        def __call__(self, x, ctx, rope):
-            rows.append(x.shape[0])
-            return original(x, ctx, rope)
+        def __call__(self, input_ids, ctx, rope):
+            rows.append(input_ids.shape[0])
+            assert ctx.native_logits is not None
+            assert ctx.native_logits.shape == (input_ids.shape[0], self.lm_head.out_features)
+            return original(input_ids, ctx, rope)
 
     decoder.__class__ = Counting
     return rows
@@ -115,19 +118,23 @@ def test_a_step_it_cannot_serve_is_an_error_not_garbage(tmp_path) -> None:
     step = ScheduledSeq([seq.token_ids[-1]], seq.num_computed_tokens, list(seq.block_table))
     ids, ctx, _ = runner.build_context([step])
     assert ctx.native_decoder is decoder
-    x = runner.model.model.embed_tokens(ids)
-    decoder(x.clone(), ctx, runner.model.rope)  # as built: it serves
+    decoder(ids, ctx, runner.model.rope)  # as built: it serves
     before = [kv.clone() for kv in runner.kv_caches]
-    for field, value in (("slot_mapping", 1 << 40), ("positions", runner.max_model_len + 5)):
+    vocab = runner.model.config.vocab_size
+    for bad_ids, field, value in ((ids, "slot_mapping", 1 << 40),
+                                  (ids, "positions", runner.max_model_len + 5),
+                                  (torch.tensor([vocab]), "positions", None),
+                                  (torch.tensor([-1]), "positions", None)):
         good = getattr(ctx, field)
-        setattr(ctx, field, torch.tensor([value]))
+        if value is not None:
+            setattr(ctx, field, torch.tensor([value]))
         with pytest.raises(RuntimeError, match="out of range"):
-            decoder(x.clone(), ctx, runner.model.rope)
+            decoder(bad_ids, ctx, runner.model.rope)
         setattr(ctx, field, good)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     ctx.decode_lens = torch.tensor([0])  # a row without keys
     with pytest.raises(RuntimeError, match="could not read a row"):
-        decoder(x.clone(), ctx, runner.model.rope)
+        decoder(ids, ctx, runner.model.rope)
 
 
 def test_blocked_layout_holds_every_row_once() -> None:
