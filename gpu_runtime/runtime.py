@@ -22,7 +22,7 @@ import torch
 from gpu_runtime import penalties
 from gpu_runtime.block_manager import BlockManager
 from gpu_runtime.config import ModelConfig, RuntimeConfig, context_limit
-from gpu_runtime.cpu_decode import decodes_natively
+from gpu_runtime.cpu_decode import NativeDecoder, decodes_natively
 from gpu_runtime.cpu_linear import prepacks
 from gpu_runtime.errors import (
     AdapterError,
@@ -96,8 +96,9 @@ class Runtime:
         self._grammars: Grammars | None = None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.clock = StepClock()  # where the steps' time went (`sluice bench overhead`)
-        decoder = getattr(self.runner, "native_decoder", None)  # the CPU kernels' argmax
-        self._argmax = decoder.argmax if decoder is not None else torch_argmax
+        # the CPU kernels' argmax, and the one a decode step's call returns with its logits
+        self._decoder: NativeDecoder | None = getattr(self.runner, "native_decoder", None)
+        self._argmax = self._decoder.argmax if self._decoder is not None else torch_argmax
 
     def close(self) -> None:
         """Stop the helper ranks (tp > 1); a no-op at tp=1. The runtime is unusable after."""
@@ -356,8 +357,14 @@ class Runtime:
         matchers = [s.matcher for s in seqs]
         constrained = any(m is not None for m in matchers)
         adjusted = penalties.process(logits, seqs)
+        argmax = self._argmax
+        fused = self._decoder.take_argmax(logits) if self._decoder is not None else None
+        if fused is not None and adjusted is logits and not constrained:
+            # the logits as the step wrote them: their argmax came with them
+            def argmax(x: torch.Tensor) -> torch.Tensor:
+                return fused if x is logits else self._argmax(x)
         sampled = sample(mask_rows(adjusted, matchers) if constrained else adjusted, batch,
-                         self.generator, self._argmax)
+                         self.generator, argmax)
         token_ids = sampled.tolist()
         logprobs = _logprobs(logits, sampled, [p.logprobs for p in params])
         limit = self._context_len

@@ -6,7 +6,8 @@
    products) a oneDNN primitive set up again, and the second thread waits while
    the first does it (measured: 60 % of a SmolLM2 step at batch 1 outside the
    products' kernels). Here one call takes the step's token ids to the model's final
-   norm and, when every row is sampled, its float32 logits: a torch op right after a
+   norm and, when every row is sampled, its float32 logits and each row's argmax
+   (which sampling asks for first, greedy or not): a torch op right after a
    step is cold (the weights' stream has evicted its code and data; the embedding's
    lookup took 0.09 ms, a row gather 0.12 ms), and the LM head in the same region
    spares a second one (paired, one process: 1.0-2.2 % of a bfloat16 step at 1 to 32
@@ -332,6 +333,33 @@ static void silu_mul(const void *gate_up, void *act, int M, int64_t inter, int b
     }
 }
 
+/* The first index of row's largest value, as torch.argmax (a row holding NaN: its first
+   NaN, which torch ranks above every number); row: [cols] float32. */
+static int64_t argmax_row(const float *row, int64_t cols)
+{
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_setzero_si512(), index = _mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < cols; i += 16) {
+        const __mmask16 k = first_n(cols - i);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, row + i);
+        const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* each lane's first */
+        best = _mm512_mask_mov_ps(best, above, v);
+        at = _mm512_mask_mov_epi32(at, above, index);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+    }
+    if (nan) {
+        int64_t i = 0;
+        while (!isnan(row[i])) i++;
+        return i;
+    }
+    /* the lanes holding the maximum: the smallest of their first indices */
+    const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(top, at);
+}
+
 /* Runs every layer over x [rows, hidden] (the model's dtype, updated in place: the
    residual stream). positions, slots, lens: [rows]; block_tables: [rows, max_blocks];
    rope: [rope_len, 2, head_dim] float32 (layers.rope_cache); work: scratch of
@@ -343,7 +371,7 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
                          const int64_t *token_ids, const int64_t *positions, const int64_t *slots,
                          const int64_t *block_tables, int max_blocks, const int64_t *lens,
                          const float *rope, int64_t rope_len, void *work, int num_threads,
-                         void *out, float *logits)
+                         void *out, float *logits, int64_t *greedy)
 {
     const int bf16 = (int)md->bf16, esize = bf16 ? 2 : 4;
     const int64_t hidden = md->hidden, D = md->head_dim, H = md->num_heads, nkv = md->num_kv_heads;
@@ -399,6 +427,12 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
         prefetch_share(&md->lm_head, bf16);
         #pragma omp barrier
         project(&md->lm_head, out, rows, logits, NULL, bf16, 1);
+        #pragma omp barrier
+        /* and each row's argmax, which every sampling call asks for first (a row's
+           logits are in this core's caches still; outside, that op ran cold) */
+        #pragma omp for schedule(static) nowait
+        for (int r = 0; r < rows; r++)
+            greedy[r] = argmax_row(logits + r * md->lm_head.out_features, md->lm_head.out_features);
     }
     }
     return failed ? -2 : 0;
@@ -416,38 +450,14 @@ int sluice_project(const sluice_proj *p, const void *x, int rows, float *y, int 
     return 0;
 }
 
-/* out[r] = the first index of row r's largest value, as torch.argmax (a row holding NaN:
-   its first NaN, which torch ranks above every number). x: [rows, cols] float32. Rows
-   are shared out between threads; torch's argmax over a 49k-wide vocabulary ran at
-   ~1 G values/s here, this at memory speed. Returns 0, or -1 for cols out of range. */
+/* out[r] = argmax_row of row r of x [rows, cols] float32. Rows are shared out between
+   threads; torch's argmax over a 49k-wide vocabulary ran at ~1 G values/s here, this at
+   memory speed. Returns 0, or -1 for cols out of range. */
 int sluice_argmax(const float *x, int rows, int64_t cols, int64_t *out, int num_threads)
 {
     if (cols < 1 || cols > INT32_MAX - 16) return -1;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int r = 0; r < rows; r++) {
-        const float *row = x + (int64_t)r * cols;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i at = _mm512_setzero_si512(), index = _mm512_setr_epi32(
-            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __mmask16 nan = 0;
-        for (int64_t i = 0; i < cols; i += 16) {
-            const __mmask16 k = first_n(cols - i);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, row + i);
-            const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* each lane's first */
-            best = _mm512_mask_mov_ps(best, above, v);
-            at = _mm512_mask_mov_epi32(at, above, index);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
-        }
-        if (nan) {
-            int64_t i = 0;
-            while (!isnan(row[i])) i++;
-            out[r] = i;
-            continue;
-        }
-        /* the lanes holding the maximum: the smallest of their first indices */
-        const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
-        out[r] = _mm512_mask_reduce_min_epi32(top, at);
-    }
+    for (int r = 0; r < rows; r++)
+        out[r] = argmax_row(x + (int64_t)r * cols, cols);
     return 0;
 }

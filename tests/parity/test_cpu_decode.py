@@ -209,3 +209,41 @@ def test_the_kernels_argmax_is_torchs(tmp_path) -> None:
     assert torch.equal(decoder.argmax(quantised), quantised.argmax(dim=-1))
     strided = torch.randn(4, 64, generator=gen)[:, ::2]  # not contiguous: torch's own
     assert torch.equal(decoder.argmax(strided), strided.argmax(dim=-1))
+
+
+def _greedy_tokens(rt, params: SamplingParams) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for i in range(3):
+        rt.add_sequence(f"s{i}", random_prompt(5 + i, 40 + i), params)
+    while rt.sequences:
+        plan = {s: q.num_uncomputed for s, q in rt.sequences.items()}
+        for o in rt.execute(StepPlan(plan)).outputs:
+            tokens.setdefault(o.seq_id, []).append(o.token_id)
+    return tokens
+
+
+def test_a_decode_steps_call_brings_its_logits_argmax(tmp_path) -> None:
+    """The kernel's call returns the decode step's argmax with its logits; sampling takes
+    it for those logits unchanged, and not once penalties have changed them."""
+    path, _ = make_hf_checkpoint(tmp_path)
+    rt = make_runtime(path, device="cpu")
+    decoder, taken = rt.runner.native_decoder, []
+    take = decoder.take_argmax
+
+    def recording(logits: torch.Tensor) -> torch.Tensor | None:
+        got = take(logits)
+        taken.append(None if got is None else (got.clone(), logits.argmax(dim=-1)))
+        return got
+
+    decoder.take_argmax = recording
+    plain = _greedy_tokens(rt, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert taken[0] is None  # the prefill step's rows: the LM head's own call
+    fused = [t for t in taken if t is not None]
+    assert len(fused) == 11 and all(torch.equal(got, want) for got, want in fused)
+
+    # penalties copy the logits: the argmax is then the penalised logits' own
+    penalised = SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=2.0)
+    native = _greedy_tokens(rt, penalised)
+    assert native != plain  # the penalty changed some choice: this checks something
+    torch_path = make_runtime(path, device="cpu", cpu_native_decode=False)
+    assert native == _greedy_tokens(torch_path, penalised)
