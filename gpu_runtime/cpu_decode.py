@@ -7,10 +7,11 @@ while the second thread spun waiting (perf: 58 % of its samples in libgomp's
 wait). `native/decode_layers.c` runs such a step from its token ids in one
 OpenMP region: the embedding's rows, every layer (see its header for the phases,
 the products and where values are rounded), the final norm and, as a decode step
-samples every row, the LM head's float32 logits. The LM head of the rows other
-steps sample (prefill chunks, up to `MAX_ROWS`) runs on the same products
-(`NativeDecoder.logits`), and the runtime picks greedy (and sampled) tokens with
-the library's argmax (`NativeDecoder.argmax`); the rest of sampling stays in torch.
+samples every row, the LM head's float32 logits and their argmax (which sampling
+takes while nothing changed the logits: `take_argmax`). The LM head of the rows
+other steps sample (prefill chunks, up to `MAX_ROWS`) runs on the same products
+(`NativeDecoder.logits`), and the runtime's other argmaxes run on the library's
+(`NativeDecoder.argmax`); the rest of sampling stays in torch.
 
 Its products read a weight layout of their own (`blocked`: blocks of 32 output
 rows, each one contiguous stream), made at load from the checkpoint's rows
