@@ -360,13 +360,15 @@ static int64_t argmax_row(const float *row, int64_t cols)
     return _mm512_mask_reduce_min_epi32(top, at);
 }
 
-/* Runs every layer over x [rows, hidden] (the model's dtype, updated in place: the
-   residual stream). positions, slots, lens: [rows]; block_tables: [rows, max_blocks];
-   rope: [rope_len, 2, head_dim] float32 (layers.rope_cache); work: scratch of
-   `rows * (hidden + q/k/v + heads*head_dim + 3 * intermediate)` elements of the
-   model's dtype; out: [rows, hidden], the last layer's output through the model's final
-   RMSNorm. Returns 0; -1 (nothing written) when an argument is out of range; -2 when
-   attention could not read a row (see attend_task). */
+/* Runs every layer over the embedding's rows of token_ids [rows], held in x [rows,
+   hidden] (scratch of the model's dtype: the residual stream). positions, slots, lens:
+   [rows]; block_tables: [rows, max_blocks]; rope: [rope_len, 2, head_dim] float32
+   (layers.rope_cache); work: scratch of `rows * (hidden + q/k/v + heads*head_dim + 3 *
+   intermediate)` elements of the model's dtype; out: [rows, hidden], the last layer's
+   output through the model's final RMSNorm. logits: NULL, or [rows, lm_head's
+   out_features] float32 for the LM head of every row, and greedy [rows] for each
+   row's argmax (argmax_row). Returns 0; -1 (nothing written) when an argument is out
+   of range; -2 when attention could not read a row (see attend_task). */
 int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, void *x, int rows,
                          const int64_t *token_ids, const int64_t *positions, const int64_t *slots,
                          const int64_t *block_tables, int max_blocks, const int64_t *lens,
