@@ -357,12 +357,11 @@ class Runtime:
         matchers = [s.matcher for s in seqs]
         constrained = any(m is not None for m in matchers)
         adjusted = penalties.process(logits, seqs)
-        argmax = self._argmax
+        # A decode step's logits came with their argmax. Penalties and grammar masks work
+        # on copies, so only the logits as the step wrote them take it.
         fused = self._decoder.take_argmax(logits) if self._decoder is not None else None
-        if fused is not None and adjusted is logits and not constrained:
-            # the logits as the step wrote them: their argmax came with them
-            def argmax(x: torch.Tensor) -> torch.Tensor:
-                return fused if x is logits else self._argmax(x)
+        argmax = self._argmax if fused is None else (
+            lambda x: fused if x is logits else self._argmax(x))
         sampled = sample(mask_rows(adjusted, matchers) if constrained else adjusted, batch,
                          self.generator, argmax)
         token_ids = sampled.tolist()

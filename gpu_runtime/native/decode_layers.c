@@ -428,10 +428,9 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
     if (logits != NULL) {  /* every row sampled (a decode step's): the LM head in this region */
         prefetch_share(&md->lm_head, bf16);
         #pragma omp barrier
-        project(&md->lm_head, out, rows, logits, NULL, bf16, 1);
-        #pragma omp barrier
-        /* and each row's argmax, which every sampling call asks for first (a row's
-           logits are in this core's caches still; outside, that op ran cold) */
+        project(&md->lm_head, out, rows, logits, NULL, bf16, 1);  /* a barrier after */
+        /* and each row's argmax, which every sampling call asks for first (the logits
+           are in the cores' caches still; outside, that op ran cold) */
         #pragma omp for schedule(static) nowait
         for (int r = 0; r < rows; r++)
             greedy[r] = argmax_row(logits + r * md->lm_head.out_features, md->lm_head.out_features);
