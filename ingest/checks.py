@@ -199,8 +199,9 @@ class RequestChecks:
             if self._topics_checked >= missed_at:
                 return  # a list asked for after this miss arrived while it waited
             wait = TOPICS_REFRESH_S - (time.monotonic() - self._topics_checked)
-            if wait > 0:
-                await asyncio.sleep(wait)
+            # Yield even when no wait is due: misses already queued on the loop (records
+            # of one fetch) note their time before this ask and so share it.
+            await asyncio.sleep(max(wait, 0.0))
             asked = time.monotonic()
             self._known_topics = await self._known_topics_of_cluster()
             self._topics_checked = asked  # the list is at least as new as the asking
