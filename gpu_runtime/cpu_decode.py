@@ -29,8 +29,8 @@ cache on huge pages (2026-12-04): 2.4-2.5x, 2.2-2.5x, 1.5-1.7x there.
 
 A step takes this path when every row is a decode, there are at most
 `MAX_ROWS`, no row uses a LoRA adapter, and the runtime was built with it. The
-runtime is built with it on the CPU in float32, or in bfloat16 where the CPU has
-AVX512-BF16, when the native decode attention loaded (same library,
+runtime is built with it on the CPU in float32 (AVX-512 or AVX2, cpu_attention.py),
+or in bfloat16 where the CPU has AVX512-BF16, when the native decode attention loaded (same library,
 cpu_attention.py), the step is not compiled, the model is one unquantized rank,
 every projection is a plain `Linear` (or LoRA over one: not FP8, not a
 tensor-parallel shard) and every product's input width is even; otherwise the

@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, read in place (CPU, AVX-512F).
+/* Decode attention over the paged KV cache, read in place (CPU; AVX-512F or AVX2, simd16.h).
 
    One query token per sequence; the keys and values of sequence b are the first
    lens[b] slots of its blocks (block_tables[b]), of which a sliding window keeps
@@ -13,7 +13,8 @@
    SmolLM2's shape at 8 and 32 sequences (paired runs). Built and loaded by
    gpu_runtime/cpu_attention.py. */
 
-#include <immintrin.h>
+#include "simd16.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,73 +23,56 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-static inline __m512 load16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p);
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+/* 16 values of a row of the model's dtype, as float32 */
+static inline vf load16(const void *p, int bf16) {
+    return bf16 ? vf_from_bf16(p) : vf_loadu((const float *)p);
 }
-
-/* the first n of 16 lanes */
-static inline __mmask16 first_n(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* element i of a row of the model's dtype */
 static inline char *elem(const void *p, int64_t i, int bf16) { return (char *)p + i * (bf16 ? 2 : 4); }
 
 /* load16 of the lanes in k (the others 0) */
-static inline __m512 load16m(const void *p, __mmask16 k, int bf16) {
-    if (!bf16) return _mm512_maskz_loadu_ps(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+static inline vf load16m(const void *p, vmask k, int bf16) {
+    return bf16 ? vf_maskz_from_bf16(k, p) : vf_maskz_loadu(k, (const float *)p);
 }
 
 static inline float from_bits_u16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
 }
 
-/* float32 bits rounded to nearest even at bfloat16 precision (in the upper half), as
-   torch's float -> bfloat16 (NaN is not expected here) */
-static inline __m512i rne_bits(__m512 v) {
-    __m512i x = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-}
-static inline __m512 round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(rne_bits(v), _mm512_set1_epi32((int)0xffff0000u)));
-}
-static inline __m256i to_bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne_bits(v), 16)); }
 static inline uint16_t to_bf16(float v) {
     uint32_t u; memcpy(&u, &v, 4);
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-static inline void store16(void *p, __m512 v, int bf16) {
-    if (!bf16) _mm512_storeu_ps((float *)p, v);
-    else _mm256_storeu_si256((__m256i *)p, to_bf16_bits(v));
+static inline void store16(void *p, vf v, int bf16) {
+    if (!bf16) vf_storeu((float *)p, v);
+    else vf_store_bf16(p, v);
 }
 
 /* store16 of the lanes in k */
-static inline void store16m(void *p, __mmask16 k, __m512 v, int bf16) {
-    if (!bf16) _mm512_mask_storeu_ps((float *)p, k, v);
-    else _mm256_mask_storeu_epi16(p, k, to_bf16_bits(v));
+static inline void store16m(void *p, vmask k, vf v, int bf16) {
+    if (!bf16) vf_mask_storeu((float *)p, k, v);
+    else vf_mask_store_bf16(p, k, v);
 }
 
 /* e^x: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts, |r| <= 0.35), e^r by its
-   Taylor series to degree 7 (relative error < 1e-8 on that range), scalef by 2^n. x is
+   Taylor series to degree 7 (relative error < 1e-8 on that range), scaled by 2^n. x is
    clamped to [-104, 89] first: e^x is 0 below and infinite above in float32. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+static inline vf exp16(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-104.0f)), vf_set1(89.0f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);
+    r = vf_fnmadd(n, vf_set1(1.428606765330187045e-06f), r);
+    vf p = vf_set1(1.0f / 5040);
+    p = vf_fmadd(p, r, vf_set1(1.0f / 720));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+    p = vf_fmadd(p, r, vf_set1(0.5f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    return vf_scalef(p, n);
 }
 
 static __thread float *scores_buf;
@@ -102,26 +86,6 @@ static float *scores_for(int64_t n) {
         if (!scores_buf) scores_cap = 0;
     }
     return scores_buf;
-}
-
-/* lane j: the sum of v[j]'s 16 lanes (16 horizontal sums in 45 operations, not 128) */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 x[8], y[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: v[2i] in slots 0 and 2, v[2i+1] in 1 and 3 */
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per lane: v[4i] .. v[4i+3], one slot each */
-        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    /* add the four lanes: pairs of lanes, then pairs of pairs, keeping v's order */
-    const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 #define KEYS 16  /* keys a score pass takes at once (converted to float32 first) */
@@ -158,16 +122,16 @@ static inline __attribute__((always_inline)) int attend(
     for (int64_t i = first / block_size; i <= (len - 1) / block_size; i++)
         if (table[i] < 0 || table[i] >= num_blocks) return -1;
 
-    __m512 qv[MAX_GROUP][MAX_DIM / 16];
+    vf qv[MAX_GROUP][MAX_DIM / 16];
     for (int g = 0; g < group; g++) {
         const char *qrow = (const char *)q
             + ((int64_t)b * q_row_stride + (int64_t)(h * group + g) * head_dim) * esize;
         for (int c = 0; c < chunks; c++)
-            qv[g][c] = _mm512_mul_ps(load16(qrow + c * 16 * esize, bf16), _mm512_set1_ps(scale));
+            qv[g][c] = vf_mul(load16(qrow + c * 16 * esize, bf16), vf_set1(scale));
     }
     /* pass 1: scores by blocks of KEYS keys, and each query head's maximum */
-    __m512 maxs[MAX_GROUP];
-    for (int g = 0; g < group; g++) maxs[g] = _mm512_set1_ps(-INFINITY);
+    vf maxs[MAX_GROUP];
+    for (int g = 0; g < group; g++) maxs[g] = vf_set1(-INFINITY);
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
         const int count = n - j0 < KEYS ? (int)(n - j0) : KEYS;
         float kb[KEYS][MAX_DIM] __attribute__((aligned(64)));
@@ -175,54 +139,54 @@ static inline __attribute__((always_inline)) int attend(
             const int64_t pos = first + j0 + (j < count ? j : 0);  /* past the end: a copy */
             const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
             const char *krow = (const char *)kv + (slot * token_stride + (int64_t)h * head_dim) * esize;
-            for (int c = 0; c < chunks; c++) _mm512_store_ps(kb[j] + 16 * c, load16(krow + c * 16 * esize, bf16));
+            for (int c = 0; c < chunks; c++) vf_store(kb[j] + 16 * c, load16(krow + c * 16 * esize, bf16));
         }
-        const __mmask16 valid = first_n(count);
+        const vmask valid = first_n(count);
         for (int g = 0; g < group; g++) {
-            __m512 dots[KEYS];
+            vf dots[KEYS];
             for (int j = 0; j < KEYS; j++) {
-                __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_load_ps(kb[j]));
-                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[g][c], _mm512_load_ps(kb[j] + 16 * c), acc);
+                vf acc = vf_mul(qv[g][0], vf_load(kb[j]));
+                for (int c = 1; c < chunks; c++) acc = vf_fmadd(qv[g][c], vf_load(kb[j] + 16 * c), acc);
                 dots[j] = acc;
             }
-            const __m512 s = sum16(dots);
-            _mm512_mask_storeu_ps(scores + g * n + j0, valid, s);
-            maxs[g] = _mm512_mask_max_ps(maxs[g], valid, maxs[g], s);
+            const vf s = vf_sum16(dots);
+            vf_mask_storeu(scores + g * n + j0, valid, s);
+            maxs[g] = vf_mask_max(maxs[g], valid, maxs[g], s);
         }
     }
     /* softmax numerators in place, and their sums */
     float sums[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + g * n;
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(maxs[g]));
-        __m512 total = _mm512_setzero_ps();
+        const vf m = vf_set1(vf_reduce_max(maxs[g]));
+        vf total = vf_zero();
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 k = first_n(n - j);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), m));
-            _mm512_mask_storeu_ps(row + j, k, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+            const vmask k = first_n(n - j);
+            const vf e = exp16(vf_sub(vf_maskz_loadu(k, row + j), m));
+            vf_mask_storeu(row + j, k, e);
+            total = vf_add(total, vf_maskz(k, e));
         }
-        sums[g] = _mm512_reduce_add_ps(total);
+        sums[g] = vf_reduce_add(total);
     }
     /* pass 2: the weighted sum of the values */
-    __m512 acc[MAX_GROUP][MAX_DIM / 16];
+    vf acc[MAX_GROUP][MAX_DIM / 16];
     for (int g = 0; g < group; g++)
-        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int c = 0; c < chunks; c++) acc[g][c] = vf_zero();
     for (int64_t j = 0; j < n; j++) {
         const int64_t pos = first + j;
         const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
         const char *vrow = (const char *)kv + (v_offset + slot * token_stride + (int64_t)h * head_dim) * esize;
         for (int c = 0; c < chunks; c++) {
-            const __m512 v = load16(vrow + c * 16 * esize, bf16);
+            const vf v = load16(vrow + c * 16 * esize, bf16);
             for (int g = 0; g < group; g++)
-                acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + j]), v, acc[g][c]);
+                acc[g][c] = vf_fmadd(vf_set1(scores[g * n + j]), v, acc[g][c]);
         }
     }
     for (int g = 0; g < group; g++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / sums[g]);
+        const vf inv = vf_set1(1.0f / sums[g]);
         char *orow = (char *)out + (((int64_t)b * num_heads) + h * group + g) * head_dim * esize;
         for (int c = 0; c < chunks; c++)
-            store16(orow + c * 16 * esize, _mm512_mul_ps(acc[g][c], inv), bf16);
+            store16(orow + c * 16 * esize, vf_mul(acc[g][c], inv), bf16);
     }
     return 0;
 }
@@ -294,7 +258,7 @@ static inline void load_key_rows(const void *kv, int64_t base, const int64_t *ta
         const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
         const char *row = (const char *)kv + (base + slot * token_stride + (int64_t)h * head_dim) * esize;
         for (int c = 0; c < head_dim / 16; c++)
-            _mm512_storeu_ps(dst[j] + 16 * c, load16(row + c * 16 * esize, bf16));
+            vf_storeu(dst[j] + 16 * c, load16(row + c * 16 * esize, bf16));
     }
 }
 
@@ -331,10 +295,10 @@ static void prefill_tile(
             qt[d][r] = v;
             ot[d][r] = 0.0f;
         }
-    const __m512i pos_lo = _mm512_loadu_si512(row_pos), pos_hi = _mm512_loadu_si512(row_pos + 16);
-    const __m512i first_lo = _mm512_loadu_si512(row_first), first_hi = _mm512_loadu_si512(row_first + 16);
-    __m512 m_lo = _mm512_set1_ps(-INFINITY), m_hi = m_lo;
-    __m512 l_lo = _mm512_setzero_ps(), l_hi = l_lo;
+    const vi pos_lo = vi_loadu(row_pos), pos_hi = vi_loadu(row_pos + 16);
+    const vi first_lo = vi_loadu(row_first), first_hi = vi_loadu(row_first + 16);
+    vf m_lo = vf_set1(-INFINITY), m_hi = m_lo;
+    vf l_lo = vf_zero(), l_hi = l_lo;
     int64_t lo = row_first[0];
     for (int r = 1; r < rows; r++) if (row_first[r] < lo) lo = row_first[r];
     const int64_t hi = num_computed + i0 + positions;  /* one past the last key */
@@ -342,56 +306,56 @@ static void prefill_tile(
         const int count = hi - p0 < KEY_BLOCK ? (int)(hi - p0) : KEY_BLOCK;
         load_key_rows(kv, 0, table, block_size, p0, count, token_stride, h, head_dim, bf16, kb);
         load_key_rows(kv, v_base, table, block_size, p0, count, token_stride, h, head_dim, bf16, vb);
-        __m512 s_lo[KEY_BLOCK], s_hi[KEY_BLOCK];
-        for (int j = 0; j < KEY_BLOCK; j++) { s_lo[j] = _mm512_setzero_ps(); s_hi[j] = _mm512_setzero_ps(); }
+        vf s_lo[KEY_BLOCK], s_hi[KEY_BLOCK];
+        for (int j = 0; j < KEY_BLOCK; j++) { s_lo[j] = vf_zero(); s_hi[j] = vf_zero(); }
         for (int d = 0; d < head_dim; d++) {
-            const __m512 a = _mm512_load_ps(qt[d]), b = _mm512_load_ps(qt[d] + 16);
+            const vf a = vf_load(qt[d]), b = vf_load(qt[d] + 16);
             for (int j = 0; j < KEY_BLOCK; j++) {
-                const __m512 k = _mm512_set1_ps(kb[j][d]);
-                s_lo[j] = _mm512_fmadd_ps(a, k, s_lo[j]);
-                s_hi[j] = _mm512_fmadd_ps(b, k, s_hi[j]);
+                const vf k = vf_set1(kb[j][d]);
+                s_lo[j] = vf_fmadd(a, k, s_lo[j]);
+                s_hi[j] = vf_fmadd(b, k, s_hi[j]);
             }
         }
         /* mask keys past a row's position or before its window (and past the block) */
-        __m512 bmax_lo = _mm512_set1_ps(-INFINITY), bmax_hi = bmax_lo;
+        vf bmax_lo = vf_set1(-INFINITY), bmax_hi = bmax_lo;
         for (int j = 0; j < KEY_BLOCK; j++) {
-            const __m512i kp = _mm512_set1_epi32((int32_t)(p0 + j));
-            __mmask16 ok_lo = _mm512_cmple_epi32_mask(kp, pos_lo) & _mm512_cmpge_epi32_mask(kp, first_lo);
-            __mmask16 ok_hi = _mm512_cmple_epi32_mask(kp, pos_hi) & _mm512_cmpge_epi32_mask(kp, first_hi);
+            const vi kp = vi_set1((int32_t)(p0 + j));
+            vmask ok_lo = vi_cmple(kp, pos_lo) & vi_cmpge(kp, first_lo);
+            vmask ok_hi = vi_cmple(kp, pos_hi) & vi_cmpge(kp, first_hi);
             if (j >= count) ok_lo = ok_hi = 0;
-            s_lo[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok_lo, s_lo[j]);
-            s_hi[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok_hi, s_hi[j]);
-            bmax_lo = _mm512_max_ps(bmax_lo, s_lo[j]);
-            bmax_hi = _mm512_max_ps(bmax_hi, s_hi[j]);
+            s_lo[j] = vf_blend(vf_set1(-INFINITY), ok_lo, s_lo[j]);
+            s_hi[j] = vf_blend(vf_set1(-INFINITY), ok_hi, s_hi[j]);
+            bmax_lo = vf_max(bmax_lo, s_lo[j]);
+            bmax_hi = vf_max(bmax_hi, s_hi[j]);
         }
-        const __m512 new_lo = _mm512_max_ps(m_lo, bmax_lo), new_hi = _mm512_max_ps(m_hi, bmax_hi);
+        const vf new_lo = vf_max(m_lo, bmax_lo), new_hi = vf_max(m_hi, bmax_hi);
         /* a row with no key seen yet keeps -inf: subtract 0 instead (its terms are all 0) */
-        const __m512 zero = _mm512_setzero_ps(), ninf = _mm512_set1_ps(-INFINITY);
-        const __m512 safe_lo = _mm512_mask_mov_ps(new_lo, _mm512_cmp_ps_mask(new_lo, ninf, _CMP_EQ_OQ), zero);
-        const __m512 safe_hi = _mm512_mask_mov_ps(new_hi, _mm512_cmp_ps_mask(new_hi, ninf, _CMP_EQ_OQ), zero);
-        const __m512 corr_lo = exp16(_mm512_sub_ps(m_lo, safe_lo));
-        const __m512 corr_hi = exp16(_mm512_sub_ps(m_hi, safe_hi));
+        const vf zero = vf_zero(), ninf = vf_set1(-INFINITY);
+        const vf safe_lo = vf_blend(new_lo, vf_cmpeq(new_lo, ninf), zero);
+        const vf safe_hi = vf_blend(new_hi, vf_cmpeq(new_hi, ninf), zero);
+        const vf corr_lo = exp16(vf_sub(m_lo, safe_lo));
+        const vf corr_hi = exp16(vf_sub(m_hi, safe_hi));
         m_lo = new_lo; m_hi = new_hi;
-        l_lo = _mm512_mul_ps(l_lo, corr_lo); l_hi = _mm512_mul_ps(l_hi, corr_hi);
+        l_lo = vf_mul(l_lo, corr_lo); l_hi = vf_mul(l_hi, corr_hi);
         for (int j = 0; j < KEY_BLOCK; j++) {
-            s_lo[j] = exp16(_mm512_sub_ps(s_lo[j], safe_lo));
-            s_hi[j] = exp16(_mm512_sub_ps(s_hi[j], safe_hi));
-            l_lo = _mm512_add_ps(l_lo, s_lo[j]); l_hi = _mm512_add_ps(l_hi, s_hi[j]);
+            s_lo[j] = exp16(vf_sub(s_lo[j], safe_lo));
+            s_hi[j] = exp16(vf_sub(s_hi[j], safe_hi));
+            l_lo = vf_add(l_lo, s_lo[j]); l_hi = vf_add(l_hi, s_hi[j]);
         }
         for (int d = 0; d < head_dim; d++) {
-            __m512 a = _mm512_mul_ps(_mm512_load_ps(ot[d]), corr_lo);
-            __m512 b = _mm512_mul_ps(_mm512_load_ps(ot[d] + 16), corr_hi);
+            vf a = vf_mul(vf_load(ot[d]), corr_lo);
+            vf b = vf_mul(vf_load(ot[d] + 16), corr_hi);
             for (int j = 0; j < count; j++) {
-                const __m512 v = _mm512_set1_ps(vb[j][d]);
-                a = _mm512_fmadd_ps(s_lo[j], v, a);
-                b = _mm512_fmadd_ps(s_hi[j], v, b);
+                const vf v = vf_set1(vb[j][d]);
+                a = vf_fmadd(s_lo[j], v, a);
+                b = vf_fmadd(s_hi[j], v, b);
             }
-            _mm512_store_ps(ot[d], a); _mm512_store_ps(ot[d] + 16, b);
+            vf_store(ot[d], a); vf_store(ot[d] + 16, b);
         }
     }
     float inv[TILE_ROWS];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l_lo));
-    _mm512_storeu_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.0f), l_hi));
+    vf_storeu(inv, vf_div(vf_set1(1.0f), l_lo));
+    vf_storeu(inv + 16, vf_div(vf_set1(1.0f), l_hi));
     for (int r = 0; r < rows; r++) {
         char *orow = (char *)out + ((i0 + r / group) * num_heads + h * group + r % group) * head_dim * esize;
         for (int d = 0; d < head_dim; d++) {

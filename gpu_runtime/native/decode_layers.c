@@ -1,5 +1,8 @@
-/* A whole decode step's decoder layers in one call (CPU, AVX-512; bf16 products on
-   AVX512-BF16), for all-decode steps of up to MAX_ROWS rows.
+/* A whole decode step's decoder layers in one call (CPU, AVX-512 or AVX2 through
+   simd16.h; bf16 products on AVX512-BF16 only), for all-decode steps of up to MAX_ROWS
+   rows. On AVX2 a block's products hold 3 rows at once, not 8 (16 registers of 8
+   lanes: 12 accumulators; paired on a Zen 1 EPYC, 2 and 4 rows ran 9-12 % and 2-8 %
+   slower at 8 and 32 rows).
 
    A decode step is 30-odd layers of small products and
    elementwise ops; through torch each is a dispatch, an allocation and (for the
@@ -38,7 +41,17 @@
 #include <string.h>
 
 #define MAX_ROWS 128  /* rows of a step (cpu_decode.MAX_ROWS) */
+#if SIMD16_ISA == 512
 #define ROW_GROUP 8  /* rows a block's products hold in registers at once */
+#define SPLIT_ROWS 4  /* up to this many rows, two accumulator sets */
+#else  /* 16 ymm registers, each accumulator two of them */
+#ifndef ROW_GROUP
+#define ROW_GROUP 3
+#endif
+#ifndef SPLIT_ROWS
+#define SPLIT_ROWS 1
+#endif
+#endif
 
 typedef struct {
     const void *weight;  /* [ceil(N/32)][K/2][32][2] bf16 or [ceil(N/32)][K][32] f32; rows past N zero */
@@ -70,17 +83,27 @@ typedef struct {
 #ifndef PREFETCH_F32
 #define PREFETCH_F32 8  /* values ahead (of 128 bytes each) */
 #endif
+#ifndef PREFETCH_F32_ONE_ROW
+#if SIMD16_ISA == 512
+#define PREFETCH_F32_ONE_ROW PREFETCH_F32
+#else  /* AVX2 (Zen 1 EPYC, paired): 4 ahead 1.07-1.12x at one row, 0.96-0.98x at 8 */
+#define PREFETCH_F32_ONE_ROW 4
+#endif
+#endif
 
 /* The block's 32 outputs for M rows of x: out[c][m] holds outputs 16c..16c+15 of row m.
-   Up to 4 rows, two accumulator sets (even and odd pairs) halve the dependency chains. */
+   Up to SPLIT_ROWS rows, two accumulator sets (even and odd pairs) halve the dependency
+   chains. */
+#if SIMD16_ISA == 512
+#define BF16_PRODUCTS 1
 /* acc[c][m] over the block's 32 outputs: bf16 layout [K/2][32][2] per block. */
 __attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void
-cols_bf16(const uint16_t *x, int64_t K, const uint16_t *wb, const int M, __m512 out[2][ROW_GROUP])
+cols_bf16(const uint16_t *x, int64_t K, const uint16_t *wb, const int M, vf out[2][ROW_GROUP])
 {
-    __m512 a0[2][ROW_GROUP], a1[2][ROW_GROUP];
-    const int split = M <= 4;  /* two accumulator sets: chains half as long */
+    vf a0[2][ROW_GROUP], a1[2][ROW_GROUP];
+    const int split = M <= SPLIT_ROWS;  /* two accumulator sets: chains half as long */
     for (int c = 0; c < 2; c++)
-        for (int m = 0; m < M; m++) { a0[c][m] = _mm512_setzero_ps(); a1[c][m] = _mm512_setzero_ps(); }
+        for (int m = 0; m < M; m++) { a0[c][m] = vf_zero(); a1[c][m] = vf_zero(); }
     int64_t k = 0;
     for (; k + 4 <= K; k += 4) {
         const uint16_t *w = wb + k * COLS;  /* pairs k, k+1 then k+2, k+3 */
@@ -114,83 +137,106 @@ cols_bf16(const uint16_t *x, int64_t K, const uint16_t *wb, const int M, __m512 
         }
     }
     for (int c = 0; c < 2; c++)
-        for (int m = 0; m < M; m++) out[c][m] = split ? _mm512_add_ps(a0[c][m], a1[c][m]) : a0[c][m];
+        for (int m = 0; m < M; m++) out[c][m] = split ? vf_add(a0[c][m], a1[c][m]) : a0[c][m];
 }
+
+#else
+#define BF16_PRODUCTS 0  /* AVX512-BF16's dot product: no AVX2 counterpart */
+#endif
 
 /* As cols_bf16 for float32: the block is [K][32]. */
 static inline __attribute__((always_inline)) void
-cols_f32(const float *x, int64_t K, const float *wb, const int M, __m512 out[2][ROW_GROUP])
+cols_f32(const float *x, int64_t K, const float *wb, const int M, vf out[2][ROW_GROUP])
 {
-    __m512 a0[2][ROW_GROUP], a1[2][ROW_GROUP];
-    const int split = M <= 4;
+    vf a0[2][ROW_GROUP], a1[2][ROW_GROUP];
+    const int split = M <= SPLIT_ROWS;
     for (int c = 0; c < 2; c++)
-        for (int m = 0; m < M; m++) { a0[c][m] = _mm512_setzero_ps(); a1[c][m] = _mm512_setzero_ps(); }
+        for (int m = 0; m < M; m++) { a0[c][m] = vf_zero(); a1[c][m] = vf_zero(); }
     int64_t k = 0;
     for (; k + 2 <= K; k += 2) {
         const float *w = wb + k * COLS;
         for (int line = 0; line < 4; line++)
-            _mm_prefetch((const char *)(w + PREFETCH_F32 * COLS + line * 16), _MM_HINT_T0);
-        const __m512 w00 = _mm512_loadu_ps(w), w01 = _mm512_loadu_ps(w + 16);
-        const __m512 w10 = _mm512_loadu_ps(w + 32), w11 = _mm512_loadu_ps(w + 48);
+            _mm_prefetch((const char *)(w + (M == 1 ? PREFETCH_F32_ONE_ROW : PREFETCH_F32) * COLS
+                                        + line * 16), _MM_HINT_T0);
+        const vf w00 = vf_loadu(w), w01 = vf_loadu(w + 16);
+        const vf w10 = vf_loadu(w + 32), w11 = vf_loadu(w + 48);
         for (int m = 0; m < M; m++) {
-            const __m512 b0 = _mm512_set1_ps(x[m * K + k]), b1 = _mm512_set1_ps(x[m * K + k + 1]);
-            a0[0][m] = _mm512_fmadd_ps(b0, w00, a0[0][m]);
-            a0[1][m] = _mm512_fmadd_ps(b0, w01, a0[1][m]);
+            const vf b0 = vf_set1(x[m * K + k]), b1 = vf_set1(x[m * K + k + 1]);
+            a0[0][m] = vf_fmadd(b0, w00, a0[0][m]);
+            a0[1][m] = vf_fmadd(b0, w01, a0[1][m]);
             if (split) {
-                a1[0][m] = _mm512_fmadd_ps(b1, w10, a1[0][m]);
-                a1[1][m] = _mm512_fmadd_ps(b1, w11, a1[1][m]);
+                a1[0][m] = vf_fmadd(b1, w10, a1[0][m]);
+                a1[1][m] = vf_fmadd(b1, w11, a1[1][m]);
             } else {
-                a0[0][m] = _mm512_fmadd_ps(b1, w10, a0[0][m]);
-                a0[1][m] = _mm512_fmadd_ps(b1, w11, a0[1][m]);
+                a0[0][m] = vf_fmadd(b1, w10, a0[0][m]);
+                a0[1][m] = vf_fmadd(b1, w11, a0[1][m]);
             }
         }
     }
     for (; k < K; k++) {
         const float *w = wb + k * COLS;
-        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        const vf w0 = vf_loadu(w), w1 = vf_loadu(w + 16);
         for (int m = 0; m < M; m++) {
-            const __m512 b = _mm512_set1_ps(x[m * K + k]);
-            a0[0][m] = _mm512_fmadd_ps(b, w0, a0[0][m]);
-            a0[1][m] = _mm512_fmadd_ps(b, w1, a0[1][m]);
+            const vf b = vf_set1(x[m * K + k]);
+            a0[0][m] = vf_fmadd(b, w0, a0[0][m]);
+            a0[1][m] = vf_fmadd(b, w1, a0[1][m]);
         }
     }
     for (int c = 0; c < 2; c++)
-        for (int m = 0; m < M; m++) out[c][m] = split ? _mm512_add_ps(a0[c][m], a1[c][m]) : a0[c][m];
+        for (int m = 0; m < M; m++) out[c][m] = split ? vf_add(a0[c][m], a1[c][m]) : a0[c][m];
 }
 
+/* fn with M (1..ROW_GROUP) a constant */
+#if ROW_GROUP == 8
 #define DISPATCH(fn, x, K, w, M, out) switch (M) { \
     case 1: fn(x, K, w, 1, out); break; case 2: fn(x, K, w, 2, out); break; \
     case 3: fn(x, K, w, 3, out); break; case 4: fn(x, K, w, 4, out); break; \
     case 5: fn(x, K, w, 5, out); break; case 6: fn(x, K, w, 6, out); break; \
     case 7: fn(x, K, w, 7, out); break; default: fn(x, K, w, 8, out); break; }
+#elif ROW_GROUP == 4
+#define DISPATCH(fn, x, K, w, M, out) switch (M) { \
+    case 1: fn(x, K, w, 1, out); break; case 2: fn(x, K, w, 2, out); break; \
+    case 3: fn(x, K, w, 3, out); break; default: fn(x, K, w, 4, out); break; }
+#elif ROW_GROUP == 3
+#define DISPATCH(fn, x, K, w, M, out) switch (M) { \
+    case 1: fn(x, K, w, 1, out); break; case 2: fn(x, K, w, 2, out); break; \
+    default: fn(x, K, w, 3, out); break; }
+#elif ROW_GROUP == 2
+#define DISPATCH(fn, x, K, w, M, out) switch (M) { \
+    case 1: fn(x, K, w, 1, out); break; default: fn(x, K, w, 2, out); break; }
+#else
+#error "ROW_GROUP is 2, 3, 4 or 8"
+#endif
 
+#if BF16_PRODUCTS
 __attribute__((target("avx512f,avx512bf16"))) static void
-block_cols_bf16(const uint16_t *x, int64_t K, const uint16_t *w, int M, __m512 out[2][ROW_GROUP])
+block_cols_bf16(const uint16_t *x, int64_t K, const uint16_t *w, int M, vf out[2][ROW_GROUP])
 { DISPATCH(cols_bf16, x, K, w, M, out) }
+#endif
 
-static void block_cols_f32(const float *x, int64_t K, const float *w, int M, __m512 out[2][ROW_GROUP])
+static void block_cols_f32(const float *x, int64_t K, const float *w, int M, vf out[2][ROW_GROUP])
 { DISPATCH(cols_f32, x, K, w, M, out) }
 
-static inline __m512 rnd16(__m512 v, int bf16) { return bf16 ? round16(v) : v; }
+static inline vf rnd16(vf v, int bf16) { return bf16 ? vf_round_bf16(v) : v; }
 
 /* Outputs n0..n0+31 of rows m0..m0+rows-1: bias, rounding, and the residual sum.
    y_f32: y is float32 whatever the model's dtype (values rounded to it first). */
-static inline void store_block(const sluice_proj *p, __m512 acc[2][ROW_GROUP], int m0, int rows,
+static inline void store_block(const sluice_proj *p, vf acc[2][ROW_GROUP], int m0, int rows,
                                int64_t n0_block, void *y, void *residual, int bf16, int y_f32)
 {
     const int64_t N = p->out_features;
     for (int c = 0; c < 2; c++) {
         const int64_t n0 = n0_block + c * 16;
         if (n0 >= N) break;
-        const __mmask16 mask = first_n(N - n0);
-        const __m512 bias = p->bias ? load16m(elem(p->bias, n0, bf16), mask, bf16) : _mm512_setzero_ps();
+        const vmask mask = first_n(N - n0);
+        const vf bias = p->bias ? load16m(elem(p->bias, n0, bf16), mask, bf16) : vf_zero();
         for (int m = 0; m < rows; m++) {
-            __m512 v = _mm512_add_ps(acc[c][m], bias);
+            vf v = vf_add(acc[c][m], bias);
             const int64_t at = (int64_t)(m0 + m) * N + n0;
             if (y_f32 && !residual) {
-                _mm512_mask_storeu_ps((float *)y + at, mask, rnd16(v, bf16));
+                vf_mask_storeu((float *)y + at, mask, rnd16(v, bf16));
             } else if (residual) {
-                v = _mm512_add_ps(rnd16(v, bf16), load16m(elem(residual, at, bf16), mask, bf16));
+                v = vf_add(rnd16(v, bf16), load16m(elem(residual, at, bf16), mask, bf16));
                 store16m(elem(residual, at, bf16), mask, v, bf16);
             } else {
                 store16m(elem(y, at, bf16), mask, v, bf16);
@@ -221,14 +267,16 @@ static void project(const sluice_proj *p, const void *x, int M, void *y, void *r
     int64_t first, count;
     thread_part((N + COLS - 1) / COLS, &first, &count);
     for (int64_t blk = first; blk < first + count; blk++)
-        /* more than 8 rows: the block again for each group of 8 (from L2 after the first) */
+        /* more than ROW_GROUP rows: the block again for each group (from L2 after the first) */
         for (int m0 = 0; m0 < M; m0 += ROW_GROUP) {
             const int rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
-            __m512 acc[2][ROW_GROUP];
+            vf acc[2][ROW_GROUP];
+#if BF16_PRODUCTS
             if (bf16)
                 block_cols_bf16((const uint16_t *)x + m0 * K, K,
                                 (const uint16_t *)p->weight + blk * COLS * K, rows, acc);
             else
+#endif
                 block_cols_f32((const float *)x + m0 * K, K,
                                (const float *)p->weight + blk * COLS * K, rows, acc);
             store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16, y_f32);
@@ -265,17 +313,17 @@ static void rms_norm(const void *x, const void *weight, void *out, int M, int64_
     #pragma omp for schedule(static) nowait
     for (int m = 0; m < M; m++) {
         const char *row = elem(x, m * dim, bf16);
-        __m512 squares = _mm512_setzero_ps();
+        vf squares = vf_zero();
         for (int64_t i = 0; i < dim; i += 16) {
-            const __m512 v = load16m(elem(row, i, bf16), first_n(dim - i), bf16);
-            squares = _mm512_fmadd_ps(v, v, squares);
+            const vf v = load16m(elem(row, i, bf16), first_n(dim - i), bf16);
+            squares = vf_fmadd(v, v, squares);
         }
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+        const vf inv = vf_set1(1.0f / sqrtf(vf_reduce_add(squares) / (float)dim + eps));
         for (int64_t i = 0; i < dim; i += 16) {
-            const __mmask16 k = first_n(dim - i);
-            const __m512 v = rnd16(_mm512_mul_ps(load16m(elem(row, i, bf16), k, bf16), inv), bf16);
+            const vmask k = first_n(dim - i);
+            const vf v = rnd16(vf_mul(load16m(elem(row, i, bf16), k, bf16), inv), bf16);
             store16m(elem(out, m * dim + i, bf16), k,
-                     _mm512_mul_ps(load16m(elem(weight, i, bf16), k, bf16), v), bf16);
+                     vf_mul(load16m(elem(weight, i, bf16), k, bf16), v), bf16);
         }
     }
 }
@@ -297,16 +345,16 @@ static void rope_and_write(const sluice_model *md, const sluice_layer *ly, void 
             char *head = elem(qkv, m * row + h * D, bf16);
             float twice[2 * MAX_DIM];  /* the head twice: roll(x, D/2) is one slice of it */
             for (int64_t d = 0; d < D; d += 16) {
-                const __m512 v = load16(elem(head, d, bf16), bf16);
-                _mm512_storeu_ps(twice + d, v);
-                _mm512_storeu_ps(twice + D + d, v);
+                const vf v = load16(elem(head, d, bf16), bf16);
+                vf_storeu(twice + d, v);
+                vf_storeu(twice + D + d, v);
             }
             for (int64_t d = 0; d < D; d += 16) {
-                const __m512 c = rnd16(_mm512_loadu_ps(cs + d), bf16);
-                const __m512 s = rnd16(_mm512_loadu_ps(cs + D + d), bf16);
-                const __m512 a = rnd16(_mm512_mul_ps(_mm512_loadu_ps(twice + d), c), bf16);
-                const __m512 b = rnd16(_mm512_mul_ps(_mm512_loadu_ps(twice + d + half), s), bf16);
-                store16(elem(head, d, bf16), _mm512_add_ps(a, b), bf16);
+                const vf c = rnd16(vf_loadu(cs + d), bf16);
+                const vf s = rnd16(vf_loadu(cs + D + d), bf16);
+                const vf a = rnd16(vf_mul(vf_loadu(twice + d), c), bf16);
+                const vf b = rnd16(vf_mul(vf_loadu(twice + d + half), s), bf16);
+                store16(elem(head, d, bf16), vf_add(a, b), bf16);
             }
         }
         const int64_t k_base = m * row + H * D, slot = slots[m];
@@ -324,12 +372,12 @@ static void silu_mul(const void *gate_up, void *act, int M, int64_t inter, int b
     #pragma omp for schedule(static) nowait
     for (int64_t j = 0; j < M * chunks; j++) {
         const int64_t m = j / chunks, i = j % chunks * 16;
-        const __mmask16 k = first_n(inter - i);
-        const __m512 g = load16m(elem(gate_up, m * 2 * inter + i, bf16), k, bf16);
-        const __m512 u = load16m(elem(gate_up, m * 2 * inter + inter + i, bf16), k, bf16);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = rnd16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), bf16);
-        store16m(elem(act, m * inter + i, bf16), k, _mm512_mul_ps(silu, u), bf16);
+        const vmask k = first_n(inter - i);
+        const vf g = load16m(elem(gate_up, m * 2 * inter + i, bf16), k, bf16);
+        const vf u = load16m(elem(gate_up, m * 2 * inter + inter + i, bf16), k, bf16);
+        const vf e = exp16(vf_sub(vf_zero(), g));
+        const vf silu = rnd16(vf_div(g, vf_add(vf_set1(1.0f), e)), bf16);
+        store16m(elem(act, m * inter + i, bf16), k, vf_mul(silu, u), bf16);
     }
 }
 
@@ -337,18 +385,17 @@ static void silu_mul(const void *gate_up, void *act, int M, int64_t inter, int b
    NaN, which torch ranks above every number); row: [cols] float32. */
 static int64_t argmax_row(const float *row, int64_t cols)
 {
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i at = _mm512_setzero_si512(), index = _mm512_setr_epi32(
-        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __mmask16 nan = 0;
+    vf best = vf_set1(-INFINITY);
+    vi at = vi_set1(0), index = vi_iota();
+    vmask nan = 0;
     for (int64_t i = 0; i < cols; i += 16) {
-        const __mmask16 k = first_n(cols - i);
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, row + i);
-        const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* each lane's first */
-        best = _mm512_mask_mov_ps(best, above, v);
-        at = _mm512_mask_mov_epi32(at, above, index);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+        const vmask k = first_n(cols - i);
+        const vf v = vf_mask_loadu(vf_set1(-INFINITY), k, row + i);
+        const vmask above = vf_cmpgt(v, best);  /* each lane's first */
+        best = vf_blend(best, above, v);
+        at = vi_blend(at, above, index);
+        nan |= vf_isnan(v);
+        index = vi_add(index, vi_set1(16));
     }
     if (nan) {
         int64_t i = 0;
@@ -356,8 +403,8 @@ static int64_t argmax_row(const float *row, int64_t cols)
         return i;
     }
     /* the lanes holding the maximum: the smallest of their first indices */
-    const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
-    return _mm512_mask_reduce_min_epi32(top, at);
+    const vmask top = vf_cmpeq(best, vf_set1(vf_reduce_max(best)));
+    return vi_mask_reduce_min(top, at);
 }
 
 /* Runs every layer over the embedding's rows of token_ids [rows], held in x [rows,
@@ -379,7 +426,8 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
     const int64_t hidden = md->hidden, D = md->head_dim, H = md->num_heads, nkv = md->num_kv_heads;
     const int64_t qkv_size = (H + 2 * nkv) * D, inter = md->intermediate;
     const int64_t num_slots = md->num_blocks * md->block_size;
-    if (rows < 1 || rows > MAX_ROWS || D > MAX_DIM || D % 16 || H % nkv || H / nkv > MAX_GROUP)
+    if (rows < 1 || rows > MAX_ROWS || D > MAX_DIM || D % 16 || H % nkv || H / nkv > MAX_GROUP
+        || (bf16 && !BF16_PRODUCTS))
         return -1;
     for (int m = 0; m < rows; m++)
         if (positions[m] < 0 || positions[m] >= rope_len || slots[m] < 0 || slots[m] >= num_slots
@@ -445,7 +493,7 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
 int sluice_project(const sluice_proj *p, const void *x, int rows, float *y, int bf16,
                    int num_threads)
 {
-    if (rows < 1 || rows > MAX_ROWS) return -1;
+    if (rows < 1 || rows > MAX_ROWS || (bf16 && !BF16_PRODUCTS)) return -1;
     #pragma omp parallel num_threads(num_threads)
     project(p, x, rows, y, NULL, bf16, 1);
     return 0;
@@ -462,3 +510,7 @@ int sluice_argmax(const float *x, int rows, int64_t cols, int64_t *out, int num_
         out[r] = argmax_row(x + (int64_t)r * cols, cols);
     return 0;
 }
+
+/* The vector width this library was built for: 512 (AVX-512) or 256 (AVX2 and FMA;
+   no bfloat16 products). */
+int sluice_simd_bits(void) { return SIMD16_ISA; }

@@ -9,6 +9,7 @@ checkpoints; the model parity tests run on it too, as it is the CPU default.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 
@@ -176,13 +177,28 @@ def test_no_kernel_where_it_cannot_serve() -> None:
 def test_the_build_is_cached_and_a_failing_compiler_is_reported(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = os.environ.get("CC") or "cc"
-    first = cpu_attention._build(compiler)
+    flags = cpu_attention.build_flags(cpu_attention.cpu_isa())
+    first = cpu_attention._build(compiler, flags)
     assert first.parent == tmp_path / "sluice" / "kernels"
     stamp = first.stat().st_mtime_ns
-    assert cpu_attention._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_attention._build(compiler, flags) == first and first.stat().st_mtime_ns == stamp
     assert list(first.parent.iterdir()) == [first]  # no temporary left behind
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(cpu_attention, "SOURCE", broken)
     with pytest.raises(subprocess.SubprocessError, match="exited"):
-        cpu_attention._build(compiler)
+        cpu_attention._build(compiler, flags)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_each_instruction_set_build_agrees_with_the_torch_path(isa) -> None:
+    """The AVX2 build (16 lanes as two halves, simd16.h) runs on AVX-512 CPUs too, so
+    there both builds are checked; the library in use is the widest (`load`)."""
+    if isa not in cpu_attention.runnable_isas():
+        pytest.skip(f"this CPU does not run the {isa} build")
+    compiler = os.environ.get("CC") or "cc"
+    path = cpu_attention._build(compiler, cpu_attention.build_flags(isa))
+    kernel = cpu_attention.NativeDecodeAttention(ctypes.CDLL(str(path)))
+    assert kernel.simd_bits == {"avx512": 512, "avx2": 256}[isa]
+    assert cpu_attention._probe(kernel) is None
+    assert KERNEL.simd_bits == {"avx512": 512, "avx2": 256}[cpu_attention.runnable_isas()[0]]
