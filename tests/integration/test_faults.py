@@ -130,7 +130,8 @@ async def test_database_outage_delays_but_never_skips_the_check(endpoints, uniqu
         warm = await asyncio.wait_for(client.complete(
             model="tiny", api_key=key, prompt="warm", max_tokens=2), 120)
         assert warm.finish_reason in ("stop", "length")
-        assert postgres.down(cfg)
+        # off the loop: the client's reply consumer keeps running while the server stops
+        assert await asyncio.to_thread(postgres.down, cfg)
         await asyncio.sleep(3)  # the worker notices and stops trusting its cache
 
         patient = asyncio.create_task(client.complete(
@@ -141,7 +142,7 @@ async def test_database_outage_delays_but_never_skips_the_check(endpoints, uniqu
             await asyncio.wait_for(hasty, 30)
         assert not patient.done()  # no first token without a permission check
 
-        postgres.up(cfg)
+        await asyncio.to_thread(postgres.up, cfg)
         done = await asyncio.wait_for(patient, 60)
         assert done.usage.completion_tokens >= 1
         assert worker.poll() is None

@@ -315,15 +315,19 @@ def test_batch_job_is_resumable_without_duplicates(settings, tiny_model, tmp_pat
            "-o", str(out_path)]
     try:
         with worker_process(settings, "tiny", tmp_path) as worker:
-            first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
+            # The interrupted run keeps 4 lines in flight, so the 400 after the first 100
+            # take 100 round trips through the broker: far longer than one poll here,
+            # however fast the machine (with the auto window a fast one finished all 501
+            # between two polls). The re-run below uses the default window.
+            first = subprocess.Popen([*cmd, "--concurrency", "4"], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
                 written = out_path.read_bytes().count(b"\n") if out_path.exists() else 0
                 if written >= 100:
                     break
                 assert first.poll() is None, first.stdout.read().decode()  # type: ignore[union-attr]
-                time.sleep(0.2)
+                time.sleep(0.02)
             first.send_signal(signal.SIGKILL)
             first.wait()
             partial = out_path.read_bytes().count(b"\n")
