@@ -130,7 +130,7 @@ def paged_attention(
         out[: ctx.num_decodes] = decodes(q[: ctx.num_decodes])
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.end)
-        if ctx.native_attention is not None:  # the CPU kernel, keys read from the cache
+        if ctx.native_attention is not None and ctx.native_prefill:  # keys read from the cache
             out[rows] = ctx.native_attention.prefill(q[rows], kv, chunk.block_table,
                                                      chunk.num_computed, scale, window)
         else:

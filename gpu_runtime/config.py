@@ -248,6 +248,11 @@ class RuntimeConfig:
     # CPU decode attention by the C kernel over the paged cache (cpu_attention.py); off:
     # the torch path (gather + SDPA).
     cpu_native_attention: bool = True
-    # Decode steps of up to 8 rows by one C call over all layers (cpu_decode.py), on a
-    # second copy of the layers' projection weights; off: the torch path.
+    # Prefill chunks by that kernel too: None times it against SDPA at load on the
+    # model's heads and takes the faster (SDPA's flash attention runs on AMX tiles on
+    # some CPUs); True or False decides.
+    cpu_native_prefill: bool | None = None
+    # Decode steps of up to 128 rows (20 in bfloat16 where oneDNN has AMX) by one C call
+    # over all layers (cpu_decode.py), on a second copy of the layers' projection
+    # weights; off: the torch path.
     cpu_native_decode: bool = True

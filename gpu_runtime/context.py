@@ -81,6 +81,7 @@ class StepContext:
     # where they load) decode rows take lengths, not masks, and prefill chunks read
     # their keys from the cache.
     native_attention: NativeAttention | None = None
+    native_prefill: bool = True  # False: prefill chunks on SDPA all the same (faster here)
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64, keys visible to each row
     # The CPU's whole-step kernel (cpu_decode.py) when this step takes it.
     native_decoder: Callable[..., None] | None = None

@@ -56,6 +56,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -245,6 +246,44 @@ def load() -> tuple[NativeDecodeAttention | None, str | None]:
             log.warning("the native decode attention loaded a second OpenMP runtime: %s",
                         sorted(runtimes))
     return (kernel, None) if reason is None else (None, reason)
+
+
+def time_prefill(kernel: NativeDecodeAttention, dtype: torch.dtype, num_heads: int,
+                 num_kv_heads: int, head_dim: int, block_size: int,
+                 rounds: int = 5) -> tuple[float, float]:
+    """Seconds the kernel and the torch path (`prefill_attention`: SDPA) take for one
+    layer's prefill chunks on these heads: 128 rows from the start, then 128 after 128
+    cached tokens; best of `rounds`, the two alternating. Which one is faster depends on
+    the CPU: the kernel was 1.4-2.0x SDPA on an AMD EPYC, SDPA 1.4-4x the kernel on a
+    Xeon whose oneDNN runs AMX (benchmarks/README.md); a few milliseconds at load."""
+    gen = torch.Generator().manual_seed(0)
+    rows, scale = 128, head_dim ** -0.5
+    blocks = (2 * rows + block_size - 1) // block_size
+    kv = torch.randn(2, blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.arange(blocks)
+    q = torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype)
+    flat = [kv[i].flatten(0, 1) for i in (0, 1)]
+    cases = [(PrefillChunk(0, rows, computed, table),
+              flat[0][computed:computed + rows], flat[1][computed:computed + rows])
+             for computed in (0, rows)]
+
+    def native() -> None:
+        for chunk, _, _ in cases:
+            kernel.prefill(q, kv, table, chunk.num_computed, scale)
+
+    def sdpa() -> None:
+        for chunk, k, v in cases:
+            prefill_attention(q, k, v, kv, chunk, scale)
+
+    best = {native: float("inf"), sdpa: float("inf")}
+    for fn in best:  # first calls set up oneDNN's and the kernel's threads
+        fn()
+    for _ in range(rounds):
+        for fn in best:
+            started = time.perf_counter()
+            fn()
+            best[fn] = min(best[fn], time.perf_counter() - started)
+    return best[native], best[sdpa]
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:

@@ -58,8 +58,8 @@ import torch.multiprocessing as mp
 from gpu_runtime.adapters import AdapterManager
 from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.config import ModelConfig, RuntimeConfig
+from gpu_runtime.cpu_attention import NativeDecodeAttention, time_prefill, why_not_native
 from gpu_runtime.cpu_attention import load as load_native_attention
-from gpu_runtime.cpu_attention import why_not_native
 from gpu_runtime.cpu_decode import MAX_ROWS as MAX_DECODE_ROWS
 from gpu_runtime.cpu_decode import NativeDecoder, why_not_for_config, why_not_native_decode
 from gpu_runtime.cpu_linear import pack_cpu_linears, why_not_packed
@@ -166,7 +166,9 @@ def build_shard(
         if reason is None:
             decoder = NativeDecoder(model, mc)
             log.info("CPU decode steps of up to %d rows in one native call over all layers "
-                     "(its weight copy: %.1f MB)", MAX_DECODE_ROWS, decoder.extra_bytes / 1e6)
+                     "(its weight copy: %.1f MB)%s", decoder.max_rows, decoder.extra_bytes / 1e6,
+                     "; larger steps on oneDNN's AMX products" if decoder.max_rows < MAX_DECODE_ROWS
+                     else "")
         else:
             log.info("CPU decode steps stay on the torch path: %s", reason)
     if device.type == "cpu":  # after every other swap: it packs the plain `Linear`s left
@@ -182,20 +184,39 @@ def build_shard(
         mc, lora_layers, config.max_adapters, config.max_lora_rank, dtype,
         pin_memory=device.type == "cuda", layout=layout,
     )  # fmt: skip
-    native = None
+    native, native_prefill = None, True
     if device.type == "cpu":
         reason = (why_not_native(device, dtype, mc.head_dim, mc.num_heads // mc.num_kv_heads,
                                  config.compile)
                   if config.cpu_native_attention else "cpu_native_attention is off")
         if reason is None:
-            native, _ = load_native_attention()
-            log.info("CPU attention (decode and prefill) on the native kernels (paged cache "
-                     "read in place)")
+            native, reason = load_native_attention()
+        if native is not None:
+            native_prefill = _prefill_natively(native, config, mc, dtype,
+                                               ranks.size if ranks is not None else 1)
+            log.info("CPU attention on the native kernels (paged cache read in place): "
+                     "decode rows and %s", "prefill chunks" if native_prefill
+                     else "not prefill chunks (SDPA)")
         else:
             log.info("CPU attention stays on the torch path: %s", reason)
     runner = ModelRunner(model, num_blocks, config.block_size, max_model_len, config.compile,
-                         native, decoder)
+                         native, decoder, native_prefill)
     return runner, adapters
+
+
+def _prefill_natively(native: NativeDecodeAttention, config: RuntimeConfig, mc: ModelConfig,
+                      dtype: torch.dtype, num_ranks: int) -> bool:
+    """config.cpu_native_prefill, or when None the faster of the kernel and SDPA on
+    this rank's heads, timed here (logged either way)."""
+    if config.cpu_native_prefill is not None:
+        return config.cpu_native_prefill
+    kv_heads = max(1, mc.num_kv_heads // num_ranks)
+    heads = kv_heads * (mc.num_heads // mc.num_kv_heads)
+    native_s, sdpa_s = time_prefill(native, dtype, heads, kv_heads, mc.head_dim,
+                                    config.block_size)
+    log.info("CPU prefill attention, one layer's 256 test rows: native kernel %.2f ms, "
+             "SDPA %.2f ms", native_s * 1e3, sdpa_s * 1e3)
+    return native_s <= sdpa_s
 
 
 @dataclass(frozen=True, slots=True)

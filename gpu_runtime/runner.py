@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.context import LoraBatch, PrefillChunk, StepContext
-from gpu_runtime.cpu_decode import MAX_ROWS as MAX_DECODE_ROWS
 from gpu_runtime.cpu_decode import NativeDecoder
 from gpu_runtime.model import CausalLM
 
@@ -76,7 +75,7 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
         compile: bool = False, native_attention: Callable[..., torch.Tensor] | None = None,
-        native_decoder: NativeDecoder | None = None,
+        native_decoder: NativeDecoder | None = None, native_prefill: bool = True,
     ) -> None:
         config = model.config
         param = next(model.parameters())
@@ -87,6 +86,7 @@ class ModelRunner:
         self.sliding_window = config.sliding_window
         self.use_triton = self.device.type == "cuda" and _triton_available()
         self.native_attention = native_attention  # the CPU's attention kernels (cpu_attention.py)
+        self.native_prefill = native_prefill  # ... for prefill chunks too (else SDPA)
         self.max_model_len = max_model_len
         model.init_rope(max_model_len, self.device)
         # One block more than the block manager hands out: the scratch block that
@@ -141,6 +141,7 @@ class ModelRunner:
             prefills=prefills,
             use_triton=self.use_triton,
             native_attention=self.native_attention,
+            native_prefill=self.native_prefill,
         )
         if decode_tables:
             self._add_decode_inputs(ctx, decode_tables, decode_lens)
@@ -148,7 +149,7 @@ class ModelRunner:
             self._add_triton_inputs(ctx, seqs)
         ctx.lora = self._lora_batch(seqs, len(input_ids))
         if (self.native_decoder is not None and not prefills and ctx.lora is None
-                and len(input_ids) <= MAX_DECODE_ROWS):
+                and len(input_ids) <= self.native_decoder.max_rows):
             ctx.native_decoder = self.native_decoder
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), ctx, last_rows
 
@@ -237,7 +238,7 @@ class ModelRunner:
         if not rows_to_sample:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = torch.tensor([last_rows[i] for i in rows_to_sample], device=self.device)
-        if self.native_decoder is not None and len(rows_to_sample) <= MAX_DECODE_ROWS:
+        if self.native_decoder is not None and len(rows_to_sample) <= self.native_decoder.max_rows:
             return self.native_decoder.logits(hidden[index])
         return self.model.compute_logits(hidden[index], ctx)
 

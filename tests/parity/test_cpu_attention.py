@@ -155,14 +155,40 @@ def test_a_prefill_table_it_cannot_read_is_an_error_not_garbage() -> None:
                                      "qwen2_mixed_window"])
 def test_native_runtime_matches_transformers_and_the_torch_path(variant, tmp_path) -> None:
     path, hf = make_hf_checkpoint(tmp_path, **VARIANTS[variant])
-    rt = make_runtime(path, device="cpu")
-    assert rt.runner.native_attention is KERNEL
+    # prefill chunks by the kernel too, whichever is faster on this CPU (timed at load)
+    rt = make_runtime(path, device="cpu", cpu_native_prefill=True)
+    assert rt.runner.native_attention is KERNEL and rt.runner.native_prefill
     native = ragged_run(rt)
     assert native[3] > 0  # some steps mixed decodes with prefill chunks
     assert_ragged_run_matches_hf(hf, native, tol=2e-4)
     off = make_runtime(path, device="cpu", cpu_native_attention=False)
     assert off.runner.native_attention is None
     assert_same_ragged_run(native, ragged_run(off), tol=1e-4)
+
+
+def test_prefill_chunks_take_the_path_set_or_timed_faster(tmp_path, monkeypatch) -> None:
+    """cpu_native_prefill=False: prefill chunks on SDPA, decode rows still on the kernel,
+    the same tokens; None (the default): the faster of the two as `time_prefill` measures
+    them on the model's heads."""
+    from gpu_runtime import ranks
+
+    native_s, sdpa_s = cpu_attention.time_prefill(KERNEL, torch.bfloat16, 9, 3, 64, 16,
+                                                  rounds=2)
+    assert 0 < native_s < 1 and 0 < sdpa_s < 1
+    path, _ = make_hf_checkpoint(tmp_path, **VARIANTS["gqa"])
+    on = ragged_run(make_runtime(path, device="cpu", cpu_native_prefill=True))
+    off_rt = make_runtime(path, device="cpu", cpu_native_prefill=False)
+    assert off_rt.runner.native_attention is KERNEL and not off_rt.runner.native_prefill
+    chunks = []
+    monkeypatch.setattr(KERNEL, "prefill", lambda *args: chunks.append(args))
+    off = ragged_run(off_rt)
+    monkeypatch.undo()
+    assert not chunks and off[3] > 0  # mixed steps ran, no chunk reached the kernel
+    assert_same_ragged_run(on, off, tol=1e-4)
+    for native_s, sdpa_s in ((0.001, 0.002), (0.002, 0.001)):
+        monkeypatch.setattr(ranks, "time_prefill", lambda *a, n=native_s, s=sdpa_s: (n, s))
+        rt = make_runtime(path, device="cpu")
+        assert rt.runner.native_prefill is (native_s < sdpa_s)
 
 
 def test_no_kernel_where_it_cannot_serve() -> None:

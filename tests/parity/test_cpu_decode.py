@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from gpu_runtime import SamplingParams, StepPlan
-from gpu_runtime.cpu_decode import MAX_ROWS, blocked, why_not_native_decode
+from gpu_runtime.cpu_decode import (
+    AMX_BF16_ROWS,
+    MAX_ROWS,
+    blocked,
+    onednn_multiplies_bf16_on_amx,
+    why_not_native_decode,
+)
 from gpu_runtime.planner import MemoryRequest, weight_bytes_per_device
 from tests.parity.native_kernels import needs_native_kernels
 from tests.parity.test_model_parity import VARIANTS
@@ -105,6 +111,43 @@ def test_more_rows_than_the_kernel_takes_go_the_torch_way(tmp_path) -> None:
     torch_path, _ = run(cpu_native_decode=False)
     assert rows == [MAX_ROWS, MAX_ROWS - 1, MAX_ROWS - 2]  # not the larger steps
     assert native == torch_path
+
+
+def test_the_amx_probe_follows_the_cpu_and_onednn_s_cap(monkeypatch) -> None:
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert onednn_multiplies_bf16_on_amx() == bool(
+        torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not onednn_multiplies_bf16_on_amx()
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="no AVX512-BF16")
+def test_bfloat16_steps_past_the_decoder_s_rows_go_the_torch_way(tmp_path) -> None:
+    """Where oneDNN multiplies bfloat16 on AMX, steps of more than AMX_BF16_ROWS rows
+    take the torch path (faster there); elsewhere the kernel serves up to MAX_ROWS. A
+    float32 decoder always takes MAX_ROWS."""
+    path, _ = make_hf_checkpoint(tmp_path)
+    assert make_runtime(path, device="cpu").runner.native_decoder.max_rows == MAX_ROWS
+    rt = make_runtime(path, device="cpu", dtype="bfloat16")
+    limit = rt.runner.native_decoder.max_rows
+    assert limit == (AMX_BF16_ROWS if onednn_multiplies_bf16_on_amx() else MAX_ROWS)
+    rows = _count_native_steps(rt)
+    prompts = {f"s{i}": random_prompt(4 + i % 5, 60 + i) for i in range(AMX_BF16_ROWS + 4)}
+
+    def run(rt) -> dict[str, list[int]]:
+        tokens = {s: [] for s in prompts}
+        for s, p in prompts.items():
+            rt.add_sequence(s, p, SamplingParams(max_tokens=4, ignore_eos=True))
+        while rt.sequences:
+            plan = {s: q.num_uncomputed for s, q in rt.sequences.items()}
+            for o in rt.execute(StepPlan(plan)).outputs:
+                tokens[o.seq_id].append(o.token_id)
+        return tokens
+
+    native = run(rt)
+    assert rows == ([] if limit < len(prompts) else [len(prompts)] * 3)
+    assert native == run(make_runtime(path, device="cpu", dtype="bfloat16",
+                                      cpu_native_decode=False))
 
 
 def test_a_step_it_cannot_serve_is_an_error_not_garbage(tmp_path) -> None:
