@@ -8,7 +8,7 @@
 #     reference
 #  3. the runtime vs transformers (+ PEFT) on the GPU, tp=1 (and tp=2 with two GPUs),
 #     eager and with the compiled decode step
-#  4. `python -m sluice.bench.gpu`: a Llama-3-8B-shaped random-weight model, bf16 and
+#  4. `python -m bench.gpu`: a Llama-3-8B-shaped random-weight model, bf16 and
 #     fp8, decode at batch 1/16/64/256, prefill, 4 LoRA adapters vs none, and the
 #     fraction of the H200's 4.8 TB/s HBM reached at batch 1 (a table, and JSON)
 #
@@ -29,12 +29,12 @@ if [ "$device" = cuda ]; then
   "$py" -m tests.unit.runtime.triton_check --device cuda
   "$py" -m tests.unit.runtime.triton_lora_check --device cuda
   step "3/4 runtime vs transformers/PEFT on the GPU"
-  "$py" -m sluice.bench.tp_check --device cuda --tp 1
-  "$py" -m sluice.bench.tp_check --device cuda --tp 1 --compile
+  "$py" -m bench.tp_check --device cuda --tp 1
+  "$py" -m bench.tp_check --device cuda --tp 1 --compile
   gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
-  if [ "$gpus" -ge 2 ]; then "$py" -m sluice.bench.tp_check --device cuda --tp 2; fi
+  if [ "$gpus" -ge 2 ]; then "$py" -m bench.tp_check --device cuda --tp 2; fi
 else
   step "2/4 and 3/4 need a GPU: skipped on $device"
 fi
 step "4/4 GPU benchmark -> $out"
-exec "$py" -m sluice.bench.gpu --json "$out" "$@"
+exec "$py" -m bench.gpu --json "$out" "$@"

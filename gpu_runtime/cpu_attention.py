@@ -14,7 +14,7 @@ engines, IPEX's is tied to Intel CPUs and pinned torch versions.)
 
 Measured per layer on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim
 64, blocks of 16), 2 threads, AMD EPYC with avx512_bf16, 1 to 32 sequences of 160
-or 512 keys and one of 4,096 (`python -m sluice.bench.cpu_kernels` measures it
+or 512 keys and one of 4,096 (`python -m bench.cpu_kernels` measures it
 again): float32 4.2-9.6x the torch path, bfloat16 3.1-4.7x; relative error against
 the torch path in float32 2.5e-7 (float32 cache) and 1.7e-3 (bfloat16 cache,
 where the torch path's own is 2.2e-3).
@@ -71,7 +71,7 @@ NATIVE = Path(__file__).parent / "native"
 # One library: decode_layers.c (cpu_decode.py's whole-step kernel) includes
 # decode_attention.c; the build key covers every source it reads.
 SOURCE = NATIVE / "decode_layers.c"
-INCLUDED = (NATIVE / "decode_attention.c", NATIVE / "simd16.h")
+INCLUDED = (NATIVE / "decode_attention.c", NATIVE / "decode_products.c", NATIVE / "simd16.h")
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # The instruction set the library is built for (simd16.h): AVX-512 where the CPU has it,
 # else AVX2 with FMA (16 lanes as two halves; no bfloat16 products).

@@ -12,7 +12,7 @@ decoder layer's q/k/v and gate/up projections, which read the same input,
 become one packed product each (`FusedPackedLinear`), split after.
 
 Measured on SmolLM2-135M's 210 layer weights, 2 threads, weights cold in cache
-(AMD EPYC with avx512_bf16; `python -m sluice.bench.cpu_kernels` measures the 1,
+(AMD EPYC with avx512_bf16; `python -m bench.cpu_kernels` measures the 1,
 8 and 32 row cases): float32 1.7x `F.linear` at 1 row, 1.9x at 8, 1.5x at 32,
 1.1x at 512; bfloat16 1.0x, 1.7x, 1.4x; the 49k-row LM head 2.2x at 1 row in
 float32. In the served model: benchmarks/README.md (`sluice bench cpu`).

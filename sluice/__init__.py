@@ -1,8 +1,22 @@
-"""sluice: a Kafka-native LLM inference engine. The public face: SDK, CLI, control plane.
+"""sluice: a Kafka-native LLM inference engine — what `import sluice` means: the SDK
+and the control plane's API.
 
     import sluice
     client = sluice.Client()
     client.models.register(model="tiny", path="models/tiny")
+
+- `client.py`: `Client` — requests (`stream`, `complete`), `models`, `adapters`,
+  `keys`; `replies.py` reads the reply topic; `errors.py` the typed errors.
+- `control_plane.py`: the registry in PostgreSQL, published on `sluice.control`;
+  `placements.py` (where a model's partitions are served), `capacity.py` (does a
+  compute config fit the workers' memory).
+- `batch.py` (`sluice batch`), `replay.py` and `replay_source.py` (`sluice replay`:
+  the logged requests read back, then run again): bulk jobs over the SDK.
+
+It may import the rooms below it (common, schemas, gpu_runtime's config and
+planner, ingest's offsets), never the faces above it
+(`gateway`, `demo`, `bench`, `cli`). `python -m sluice` is the command line
+(`__main__` belongs to `cli`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m sluice` is the `sluice` command."""
 
-from sluice.cli import main
+from cli import main
 
 main()

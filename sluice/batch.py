@@ -2,7 +2,7 @@
 
 Each input line is `{"custom_id": ..., "body": {<request fields>}}`; each output
 line `{"custom_id": ..., "response": <done event> | null, "error": <error or
-timeout event> | null}` (`SluiceFormat`; `sluice.openai_batch.OpenAIFormat` reads
+timeout event> | null}` (`SluiceFormat`; `gateway.openai_batch.OpenAIFormat` reads
 and writes OpenAI Batch API lines instead, through the same job). Output lines
 are appended and flushed one by one, so a job killed midway loses nothing it
 wrote. A re-run skips every custom_id already answered in OUT and retries those

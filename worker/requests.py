@@ -81,6 +81,17 @@ class HeldRequests:
             lambda: not any(c.topic_partition in partitions for c in self._held.values()),
             timeout_s)
 
+    def cancel_from(self, partitions: set[object], engine: Engine | None) -> int:
+        """Stop, unanswered, the requests held for `partitions` (their offsets stay
+        unfinished; the partitions' next owner serves them); how many there were."""
+        dropped = 0
+        for key, ctx in self.items():
+            if ctx.topic_partition in partitions:
+                dropped += 1
+                if engine is not None:
+                    engine.cancel(key)
+        return dropped
+
 
 def engine_key(admitted: Admitted) -> str:
     """Unique per record and attempt in this worker: the request id, where it was read."""

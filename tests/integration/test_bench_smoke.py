@@ -13,8 +13,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from sluice.bench.harness import is_figure
-from sluice.cli import bench_cmd
+from bench.harness import is_figure
+from cli import bench_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

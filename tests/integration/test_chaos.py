@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.chaos import ChaosConfig, run_chaos
+from bench.chaos import ChaosConfig, run_chaos
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -47,7 +47,7 @@ def test_demo_runs_end_to_end(broker, request, unique_name, tmp_path) -> None:
     assert 0 < int(cached) < int(prompt)  # later turns reuse earlier turns' KV
     # The taught model answers in its own words, and each adapter in its voice —
     # the three conversations ran through one worker, batched together.
-    from sluice.tiny_train import BASE_ANSWERS, VOICES
+    from modelfiles.tiny_train import BASE_ANSWERS, VOICES
 
     answers = {}
     for line in result.stdout.splitlines():

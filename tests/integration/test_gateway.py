@@ -15,7 +15,7 @@ import re
 import openai
 import pytest
 
-from sluice.gateway import serve
+from gateway.app import serve
 from tests.conftest import free_port
 from tests.integration.pipeline_helpers import (
     drop_schema,

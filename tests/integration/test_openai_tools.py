@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 import sluice
 from common.settings import Settings
-from sluice.gateway import serve
+from gateway.app import serve
 from tests.conftest import free_port
 from tests.integration.pipeline_helpers import drop_schema, worker_process
 from tests.real_model import smollm2_dir

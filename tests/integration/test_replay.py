@@ -19,10 +19,10 @@ from sluice.replay import (
     REPLAY_ID_PREFIX,
     Position,
     ReplayInputError,
-    parse_position,
     replay_id,
     replayed_fields,
 )
+from sluice.replay_source import parse_position
 from tests.integration.pipeline_helpers import drop_schema, settings_env, worker_process
 
 PROMPTS = [[5, 17, 33, 42, 8, 99], [7] * 12, list(range(3, 30)), [11, 12], [60, 61, 62, 63],

@@ -168,7 +168,7 @@ def test_sigterm_of_rank0_takes_the_helpers_down(bias):
 
 
 def test_generate_tp2_equals_tp1(tmp_path):
-    from sluice.cli import app
+    from cli import app
 
     runner = CliRunner()
     model = tmp_path / "tiny"
@@ -187,7 +187,7 @@ def test_generate_tp2_equals_tp1(tmp_path):
 
 
 def test_tp_check_cpu_gloo_path(capsys):
-    from sluice.bench.tp_check import main
+    from bench.tp_check import main
 
     assert main(["--device", "cpu", "--tp", "2", "--steps", "5"]) == 0
     assert capsys.readouterr().out.strip().endswith("OK")

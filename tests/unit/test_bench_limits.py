@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sluice.bench.cpu_engines import (
+from bench.cpu_limits import (
     PREFILL_LEN,
     SMOLLM2_LM_HEAD,
     SMOLLM2_PARAMS,

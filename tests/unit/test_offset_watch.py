@@ -3,7 +3,7 @@ stale answer (Kafka's, see `OffsetWatch`) is counted apart."""
 
 from __future__ import annotations
 
-from sluice.bench.chaos import STALE_READ_GRACE_S, OffsetWatch
+from bench.chaos_checks import STALE_READ_GRACE_S, OffsetWatch
 
 
 def test_a_lower_value_from_the_same_coordinator_is_a_rewind() -> None:

@@ -12,9 +12,7 @@ import openai.types.chat
 import orjson
 import pytest
 
-from schemas import DoneEvent, ErrorCode, ErrorEvent, TimeoutEvent
-from sluice.batch import answered_ids, failed_ids
-from sluice.openai_batch import (
+from gateway.openai_batch import (
     OpenAIFormat,
     Prepared,
     Refused,
@@ -23,6 +21,8 @@ from sluice.openai_batch import (
     prepare,
     refused_line,
 )
+from schemas import DoneEvent, ErrorCode, ErrorEvent, TimeoutEvent
+from sluice.batch import answered_ids, failed_ids
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]

@@ -18,6 +18,8 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 from typer.testing import CliRunner
 
+from cli import app
+from cli.schemas_cmd import topic_facts
 from common.settings import Settings
 from common.topics import shared_topics
 from schemas import (
@@ -32,8 +34,6 @@ from schemas import (
 )
 from schemas.asyncapi import asyncapi_document, component_schemas
 from schemas.export import MODELS, json_schemas
-from sluice.cli import app
-from sluice.cli.schemas_cmd import topic_facts
 
 SPECS_DIR_ENV = "SLUICE_ASYNCAPI_SPECS_DIR"
 SPECS_DIR_DEFAULT = Path.home() / ".cache" / "sluice" / "asyncapi-specs"

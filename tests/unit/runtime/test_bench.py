@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from sluice.bench.runtime_bench import bench_runtime
+from bench.runtime_bench import bench_runtime
 
 
 @pytest.mark.slow
@@ -22,7 +22,7 @@ def test_bench_quick_mode_is_quick():
 
 @pytest.mark.slow
 def test_bench_adapters_quick_mode():
-    from sluice.bench.runtime_bench import bench_adapters
+    from bench.runtime_bench import bench_adapters
 
     result = bench_adapters("cpu", quick=True)
     assert result["quick"] is True and "quick mode" in result["note"]

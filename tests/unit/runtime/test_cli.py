@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from sluice.cli import app
+from cli import app
 
 
 def test_make_tiny_then_generate_json(tmp_path):

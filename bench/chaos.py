@@ -1,0 +1,194 @@
+"""`sluice bench chaos`: a seeded, randomized fault run on a cluster of its own, then an
+invariant check of everything the reply topic holds.
+
+A three-node Kafka cluster and a PostgreSQL of its own (private state, free
+ports), `workers` worker processes of one model, and a load of requests over
+many sessions at a steady rate — some streamed, some followed by a cancel. While
+the load runs, faults strike at seeded random times, one at a time:
+
+- `worker_kill`: SIGKILL a worker, restart it (same --replica) a moment later;
+- `worker_pause`: SIGSTOP a worker past its session timeout, then SIGCONT (the
+  zombie: its partitions went to others while it slept);
+- `broker_kill`: SIGKILL the broker leading a request partition, restart it later;
+- `postgres_restart`: stop PostgreSQL, start it again.
+
+Then every record of the reply topic is read (`read_committed`, and
+`read_uncommitted` for what aborted transactions left) and checked:
+
+- exactly_once: every request sent has exactly one committed terminal event;
+  at_least_once: at least one, and repeats only under different attempts;
+- no answer for a request id never sent;
+- per attempt with a `done`, the token events' texts (by seq) add up to its text
+  (streamed requests, cancelled ones included);
+- the committed offsets of the model's consumer group, sampled all along, never
+  go backwards (a new coordinator's brief stale answer after its broker took over
+  is counted apart: `OffsetWatch`).
+
+`run_chaos` returns the report (histogram of terminal events per request, the
+violations, latencies in calm and fault windows, the faults with their times);
+`tests/integration/test_chaos.py` runs a short seed in the suite.
+
+Its parts: `chaos_cluster` (the cluster and the workers), `chaos_nemesis` (the faults),
+`chaos_checks` (the offset watch and the reply topic's invariants), `chaos_report`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+from bench.chaos_checks import check_replies, sample_offsets
+from bench.chaos_cluster import Workers, cluster_config
+from bench.chaos_nemesis import fault_schedule, strike_faults
+from bench.chaos_report import (
+    MODEL,
+    SESSION_TIMEOUT_S,
+    TERMINAL,
+    ChaosConfig,
+    ChaosReport,
+    Say,
+    Sent,
+)
+from bench.harness import percentile
+from common.settings import Settings
+from infra import local
+from infra.common import InfraConfig
+from sluice.client import Client
+
+
+async def run_chaos(cfg: ChaosConfig, workdir: Path, model_dir: Path,
+                    say: Say = lambda _line: None) -> ChaosReport:
+    began = time.monotonic()
+    report = ChaosReport(cfg)
+    infra = cluster_config(workdir / "infra")
+    workers: Workers | None = None
+    try:
+        say("starting a three-node Kafka cluster and a PostgreSQL ...")
+        started = await asyncio.to_thread(local.up, infra)
+        settings = Settings(kafka_bootstrap=str(started["kafka"]["bootstrap"]),
+                            database_url=str(started["postgres"]["url"]), db_schema="chaos",
+                            topic_prefix="chaos", request_partitions=cfg.partitions)
+        env = {**os.environ, "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
+               "SLUICE_DATABASE_URL": str(settings.database_url), "SLUICE_DB_SCHEMA": "chaos",
+               "SLUICE_TOPIC_PREFIX": "chaos", "SLUICE_METRICS_PORT": "0",
+               "SLUICE_COMPILE": "0"}
+        client = Client(settings)
+        try:
+            key = await asyncio.to_thread(_register, client, model_dir, cfg.delivery)
+            logs = workdir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            workers = Workers(env, cfg.workers, logs)
+            for replica in range(cfg.workers):
+                await workers.wait_serving(replica)
+            say(f"{cfg.workers} workers serve; {cfg.requests} requests at "
+                f"{cfg.rate_per_s:g}/s with {cfg.faults} faults (seed {cfg.seed})")
+            # asyncpg logs every failed reconnect with a traceback: expected here, where
+            # the database is restarted on purpose (the faults are listed in the report)
+            pool_log = logging.getLogger("asyncpg.pool")
+            level = pool_log.level
+            pool_log.setLevel(logging.ERROR)
+            try:
+                await _load_with_faults(cfg, settings, client, key, workers, infra, report,
+                                        say)
+            finally:
+                pool_log.setLevel(level)
+        finally:
+            await client.aclose()
+        workers.stop_all()
+        workers = None
+        await check_replies(settings, report)
+    finally:
+        if workers is not None:
+            workers.stop_all()
+        await asyncio.to_thread(local.purge, infra)
+    report.wall_s = time.monotonic() - began
+    return report
+
+
+def _register(client: Client, model_dir: Path, delivery: str) -> str:
+    client.models.register(model=MODEL, path=str(model_dir),
+                           compute_config={"kv_cache_len": 16384, "delivery": delivery})
+    key = client.keys.create(tenant="chaos")
+    client.keys.grant(key, model=MODEL)
+    return key
+
+
+async def _load_with_faults(cfg: ChaosConfig, settings: Settings, client: Client, key: str,
+                            workers: Workers, infra: InfraConfig, report: ChaosReport,
+                            say: Say) -> None:
+    rng = random.Random(cfg.seed)
+    duration = cfg.requests / cfg.rate_per_s
+    schedule = fault_schedule(cfg, rng, duration)
+    t0 = time.monotonic()
+    stop_sampling = asyncio.Event()
+    sampler = asyncio.create_task(sample_offsets(settings, report, stop_sampling))
+    faults = asyncio.create_task(strike_faults(cfg, rng, schedule, t0, settings, workers,
+                                               infra, report, say))
+    tasks: list[asyncio.Task[None]] = []
+    cancels: list[asyncio.Task[None]] = []
+    for i in range(cfg.requests):
+        delay = t0 + i / cfg.rate_per_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = Sent(f"chaos-{cfg.seed}-{i}", time.monotonic() - t0,
+                    streamed=rng.random() < cfg.stream_share,
+                    cancelled=rng.random() < cfg.cancel_share)
+        report.sent[sent.request_id] = sent
+        session = f"session-{rng.randrange(cfg.sessions)}"
+        tasks.append(asyncio.create_task(_one(
+            client, key, sent, session,
+            [rng.randrange(3, 200) for _ in range(rng.randrange(3, 12))],
+            rng.randint(*cfg.max_tokens), cfg.request_timeout_s)))
+        if sent.cancelled:
+            cancels.append(asyncio.create_task(_cancel_later(
+                client, key, sent.request_id, session, rng.uniform(0.05, 1.0))))
+        if (i + 1) % max(1, cfg.requests // 10) == 0:
+            say(f"  {i + 1} sent, {sum(t.done() for t in tasks)} ended")
+    await faults
+    await asyncio.gather(*tasks, *cancels)
+    stop_sampling.set()
+    await sampler
+    windows = [(f.at_s, (f.ended_s or f.at_s) + SESSION_TIMEOUT_S) for f in report.faults]
+    for sent in report.sent.values():
+        if sent.latency_s is None or sent.outcome != "done":
+            continue
+        during = any(a <= sent.at_s <= b for a, b in windows)
+        (report.fault_latency_s if during else report.calm_latency_s).append(sent.latency_s)
+
+
+async def _cancel_later(client: Client, key: str, request_id: str, session: str,
+                        delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    with contextlib.suppress(Exception):
+        await client.cancel(model=MODEL, request_id=request_id, session_id=session, api_key=key)
+
+
+async def _one(client: Client, key: str, sent: Sent, session: str, prompt: list[int],
+               max_tokens: int, timeout_s: float) -> None:
+    from sluice.errors import RequestError, RequestTimeoutError
+
+    started = time.monotonic()
+    try:
+        events = client.stream(model=MODEL, api_key=key, request_id=sent.request_id,
+                               session_id=session, prompt_token_ids=prompt,
+                               max_tokens=max_tokens, temperature=0.0, stream=sent.streamed,
+                               timeout=timeout_s)
+        async for event in events:
+            if event.type in TERMINAL:
+                sent.outcome = event.type
+                sent.latency_s = time.monotonic() - started
+    except RequestTimeoutError:
+        sent.outcome = "client_timeout"
+    except RequestError:
+        sent.outcome = "error"
+    except Exception as exc:  # a send that failed (the broker away past the timeout)
+        sent.outcome = f"send_failed: {type(exc).__name__}"
+
+
+def p99_during_faults(report: ChaosReport) -> float | None:
+    return percentile(report.fault_latency_s, 0.99)

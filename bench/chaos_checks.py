@@ -1,0 +1,172 @@
+"""The chaos run's checks: the consumer group's commit points watched while the load
+runs, and the reply topic read back at the end and held to the invariants."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from bench.chaos_report import MODEL, TERMINAL, ChaosReport
+from common.settings import Settings
+from common.topics import committed_and_coordinator, partitions_of
+
+# How long a coordinator that just took over may answer from behind (see
+# OffsetWatch) before a lower commit point counts as a rewind.
+STALE_READ_GRACE_S = 5.0
+
+
+class OffsetWatch:
+    """Commit points read over time, per partition: a value lower than one seen before
+    is a rewind (a stale member's commit).
+
+    One exception, Kafka's and not a rewind: a group coordinator that has just taken
+    over a `__consumer_offsets` partition (its leader killed) answers OffsetFetch from
+    its state as of its own high watermark, which trails the old leader's until the
+    surviving replica fetches from it, so for a moment it may report a commit point the
+    old one had moved past (the commit is not lost: it is back once the high watermark
+    passes it). A lower value read from another coordinator than the one that reported
+    the higher, and back at or above the higher within STALE_READ_GRACE_S, is counted
+    as a stale read; one that stays lower, or comes from the same coordinator, is a
+    rewind. (What a stale read could do to a worker that reads its offsets in that
+    moment, a repeated answer, the terminal-event check sees.)"""
+
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.highest: dict[int, tuple[int, str, int]] = {}  # partition: offset, meta, node
+        self.lower: dict[int, tuple[float, int, str, int]] = {}  # the first lower read
+        self.rewinds: list[str] = []
+        self.stale_reads: list[str] = []
+
+    def observe(self, partition: int, offset: int, meta: str, node: int, now: float) -> None:
+        high = self.highest.get(partition)
+        if high is not None and offset < high[0]:
+            if node == high[2]:
+                self._rewind(partition, now, offset, meta, node)
+            elif partition not in self.lower:
+                self.lower[partition] = (now, offset, meta, node)
+            elif now - self.lower[partition][0] > STALE_READ_GRACE_S:
+                self._rewind(partition, *self.lower.pop(partition))
+            return
+        if high is not None and partition in self.lower:  # caught up: it was stale
+            at, low, _meta, low_node = self.lower.pop(partition)
+            self.stale_reads.append(
+                f"partition {partition}: {low} instead of {high[0]} from coordinator "
+                f"{low_node} for {now - at:.1f} s, {at - self.began:.1f} s into the run")
+        self.highest[partition] = (offset, meta, node)
+
+    def close(self) -> None:
+        """The end of the run: a lower value never caught up with is a rewind."""
+        for partition, read in sorted(self.lower.items()):
+            self._rewind(partition, *read)
+        self.lower.clear()
+
+    def _rewind(self, partition: int, at: float, offset: int, meta: str, node: int) -> None:
+        high = self.highest[partition]
+        self.rewinds.append(
+            f"the committed offset of partition {partition} went back from {high[0]} to "
+            f"{offset} ({meta!r}, coordinator {node}; {high[0]} from coordinator {high[2]}), "
+            f"{at - self.began:.1f} s into the run")
+
+
+async def sample_offsets(settings: Settings, report: ChaosReport, stop: asyncio.Event) -> None:
+    """The model group's committed offsets every 200 ms, watched (`OffsetWatch`)."""
+    group, topic = settings.topic(MODEL), settings.requests_topic(MODEL)
+    consumer = AIOKafkaConsumer(**settings.kafka_options(), enable_auto_commit=False)
+    watch = OffsetWatch(time.monotonic())
+    with contextlib.suppress(Exception):
+        await consumer.start()
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await stop.wait()
+            try:
+                partitions = await partitions_of(consumer, topic)
+                for partition in partitions:
+                    committed, node = await committed_and_coordinator(consumer, group, topic,
+                                                                      partition)
+                    if committed is not None:
+                        watch.observe(partition, *committed, node, time.monotonic())
+                        report.offset_samples += 1
+            except Exception:  # the broker away: sample again next time
+                continue
+    finally:
+        watch.close()
+        report.violations.extend(watch.rewinds)
+        report.stale_offset_reads.extend(watch.stale_reads)
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+
+
+async def _read_all(settings: Settings, topic: str, isolation: str) -> list[dict[str, Any]]:
+    consumer = AIOKafkaConsumer(**settings.kafka_options(), enable_auto_commit=False,
+                                isolation_level=isolation)
+    await consumer.start()
+    out: list[dict[str, Any]] = []
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        async with asyncio.timeout(300):
+            while [tp for tp in tps if await consumer.position(tp) < end[tp]]:
+                batch = await consumer.getmany(*tps, timeout_ms=500)
+                for records in batch.values():
+                    out.extend(orjson.loads(r.value) for r in records if r.value)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def check_replies(settings: Settings, report: ChaosReport) -> None:
+    """Read the reply topic back and hold it to the invariants."""
+    committed = await _read_all(settings, settings.topic("results"), "read_committed")
+    report.num_records = len(committed)
+    exactly_once = report.config.delivery == "exactly_once"
+    terminals: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    tokens: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
+    for event in committed:
+        request_id = event.get("request_id")
+        if request_id not in report.sent:
+            report.violations.append(f"an answer for {request_id!r}, never sent")
+            continue
+        if event["type"] in TERMINAL:
+            terminals[request_id].append(event)
+        elif event["type"] == "token":
+            tokens[(request_id, event.get("attempt", 0))][event["seq"]] = event["text"]
+    histogram: Counter[int] = Counter()
+    for request_id, sent in report.sent.items():
+        ends = terminals.get(request_id, [])
+        histogram[len(ends)] += 1
+        unsure = sent.outcome.startswith("send_failed")  # may or may not be on the topic
+        if not ends and not unsure:
+            report.violations.append(f"{request_id} ({sent.outcome}) has no terminal event")
+        if exactly_once and len(ends) > 1:
+            report.violations.append(
+                f"{request_id}: {len(ends)} committed terminal events "
+                f"(attempts {[e.get('attempt', 0) for e in ends]})")
+        attempts = [e.get("attempt", 0) for e in ends]
+        if not exactly_once and len(set(attempts)) != len(attempts):
+            report.violations.append(f"{request_id}: answered twice under one attempt "
+                                     f"({attempts})")
+        texts = {e["text"] for e in ends if e["type"] == "done"
+                 and e.get("finish_reason") != "cancelled"}
+        if len(texts) > 1:
+            report.violations.append(f"{request_id}: its answers differ ({len(texts)} texts)")
+        for done in (e for e in ends if e["type"] == "done" and sent.streamed):
+            pieces = tokens.get((request_id, done.get("attempt", 0)), {})
+            streamed = "".join(pieces[s] for s in sorted(pieces))
+            if streamed != done["text"]:
+                report.violations.append(
+                    f"{request_id} attempt {done.get('attempt', 0)}: streamed "
+                    f"{streamed[:40]!r} but done.text is {done['text'][:40]!r}")
+    report.terminal_histogram = dict(histogram)
+    if exactly_once:  # what aborted transactions left is only for read_uncommitted eyes
+        everything = await _read_all(settings, settings.topic("results"), "read_uncommitted")
+        report.num_records = max(report.num_records, len(everything))

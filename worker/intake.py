@@ -1,0 +1,90 @@
+"""The request side of a worker: the model's prompts, the router and the consumer.
+
+`RequestIngest` reads and judges records; the router hands admitted requests to
+the engine of the model loaded now (the runtime may be replaced by a reload, so
+it is looked up at each request); a templated chat's answer is remembered so
+that its next turn is found in the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiokafka import TopicPartition
+
+from batcher import types as bt
+from batcher.engine import Engine
+from common.settings import Settings
+from gpu_runtime import Runtime
+from ingest.consumer import RequestIngest
+from ingest.offsets import OffsetTracker
+from ingest.partitioning import PartitionAudit
+from ingest.permissions import PermissionChecker
+from ingest.prompting import PromptBuilder
+from results.inflight import InFlight
+from results.writer import ResultWriter
+from schemas import ModelDeployment
+from worker.loaded_model import LoadedModel
+from worker.metrics import WorkerMetrics
+from worker.options import ingest_options
+from worker.requests import HeldRequests, Router
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    def __init__(self, loaded: LoadedModel, *, held: HeldRequests, tracker: OffsetTracker,
+                 metrics: WorkerMetrics):
+        self._loaded = loaded
+        self._held = held
+        self._tracker = tracker
+        self._metrics = metrics
+        self.prompts: PromptBuilder | None = None
+
+    def make_ingest(self, settings: Settings, instance_id: str, dep: ModelDeployment,
+                    writer: ResultWriter, checker: PermissionChecker,
+                    on_revoked: Callable[[list[TopicPartition]], Awaitable[None]],
+                    ) -> RequestIngest:
+        runtime = self._runtime()
+        prompts = PromptBuilder.for_model(dep.path, runtime.tokenizer,
+                                          runtime.model_config.vocab_size)
+        self.prompts = prompts
+        if prompts.template_problem is not None:
+            log.warning("chat requests will be refused: %s", prompts.template_problem)
+        else:
+            log.info("chat prompts: %s", f"the model's template ({prompts.template.origin})"
+                     if prompts.template is not None else "no chat template, plain framing")
+        loaded, tracker = self._loaded, self._tracker
+        router = Router(writer, self._held, self._engine,
+                        lambda: loaded.runtime.tokenizer if loaded.runtime else None,
+                        lambda: self._runtime().model_config.sampling_defaults,
+                        finished=tracker.finish, on_cancel=self._metrics.observe_cancel,
+                        grammar_of=lambda rf: self._runtime().grammars.compile(rf),
+                        owns=tracker.owns, holds=tracker.holds)
+        ingest = RequestIngest(
+            ingest_options(settings, dep.model, instance_id),
+            tracker=tracker, checker=checker, prompts=prompts, route=router.route,
+            on_revoked=on_revoked,
+            audit=PartitionAudit(lambda _partition: self._metrics.observe_misrouted_key()),
+        )
+        ingest.max_ttft_ms = dep.placement.max_ttft_ms
+        ingest.adapters = frozenset(loaded.adapters.names)
+        return ingest
+
+    def remember_turn(self, ctx: InFlight, event: bt.Finished) -> None:
+        """A templated chat's answer, so that its next turn is found in the KV cache."""
+        if event.finish_reason == "cancelled":
+            return  # the client stopped it: no turn to build on
+        runtime = self._loaded.runtime
+        if ctx.chat is not None and self.prompts is not None and runtime is not None:
+            self.prompts.remember(ctx.chat, event.token_ids, ctx.decoder.text(),
+                                  runtime.model_config.eos_token_ids)
+
+    def _runtime(self) -> Runtime:
+        assert self._loaded.runtime is not None
+        return self._loaded.runtime
+
+    def _engine(self) -> Engine:
+        assert self._loaded.engine is not None
+        return self._loaded.engine
