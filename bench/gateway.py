@@ -51,6 +51,7 @@ from typing import Any
 import orjson
 
 from bench.harness import figure, goal, latency_figures, percentile, ratio
+from bench.kafka import added_figures, added_ms
 from bench.served import MODEL, Served
 from infra.common import free_port
 from schemas import DoneEvent, TokenEvent
@@ -252,11 +253,6 @@ async def _health_round_trips(http: Any, base_url: str, count: int) -> list[floa
     return out
 
 
-def _added(a: list[float], b: list[float], q: float) -> float | None:
-    pa, pb = percentile(a, q), percentile(b, q)
-    return None if pa is None or pb is None else pa - pb
-
-
 def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
     """Percentiles of the per-prompt differences a[i] - b[i] (the same prompt on both
     paths, one right after the other): less sensitive to drift in machine load."""
@@ -317,7 +313,7 @@ async def bench_gateway(served: Served, device: str,
         tool_calls = await _tool_calls(api, tool_prompts, 160)
         hops = await _health_round_trips(http, base_url, 10 if quick else 50)
 
-    added_p50 = _added(gw["ttft"], sdk["ttft"], 0.5)
+    added_p50 = added_ms(gw["ttft"], sdk["ttft"], 0.5)
     floor = percentile(hops, 0.5)
     results: dict[str, Any] = {
         "gateway_ttft": latency_figures(gw["ttft"]),
@@ -326,18 +322,15 @@ async def bench_gateway(served: Served, device: str,
         "baseline_sdk_ttft": latency_figures(sdk["ttft"]),
         "baseline_sdk_end_to_end": latency_figures(sdk["e2e"]),
         "added_by_gateway": {
-            "ttft_p50": figure(added_p50, "ms", 2),
-            "ttft_p99": figure(_added(gw["ttft"], sdk["ttft"], 0.99), "ms", 2),
-            "end_to_end_p50": figure(_added(gw["e2e"], sdk["e2e"], 0.5), "ms", 2),
-            "end_to_end_p99": figure(_added(gw["e2e"], sdk["e2e"], 0.99), "ms", 2),
+            **added_figures(gw, sdk),
             "ttft_paired_difference": _paired(gw["ttft"], sdk["ttft"]),
             "end_to_end_paired_difference": _paired(gw["e2e"], sdk["e2e"]),
         },
         "non_streaming": {
             "gateway": latency_figures(unary["gateway"]),
             "baseline_sdk_complete": latency_figures(unary["sdk"]),
-            "added_p50": figure(_added(unary["gateway"], unary["sdk"], 0.5), "ms", 2),
-            "added_p99": figure(_added(unary["gateway"], unary["sdk"], 0.99), "ms", 2),
+            "added_p50": figure(added_ms(unary["gateway"], unary["sdk"], 0.5), "ms", 2),
+            "added_p99": figure(added_ms(unary["gateway"], unary["sdk"], 0.99), "ms", 2),
             "ratio_p50_gateway_over_sdk": ratio(percentile(unary["gateway"], 0.5),
                                                 percentile(unary["sdk"], 0.5)),
         },

@@ -41,6 +41,7 @@ from bench.harness import (
     sync_for,
     timed,
 )
+from bench.runtime_bench import decode_tokens_s
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
 
 H200_HBM_BYTES_S = 4.8e12
@@ -133,16 +134,7 @@ def decode_tps(rt: Runtime, device: str, batch: int, steps: int,
     sync = sync_for(device)
     ids = _add_batch(rt, f"{tag}{batch}", batch, PROMPT_LEN, steps + 3, keys)
     _prefill(rt, ids, budget=8192)
-    rt.execute(StepPlan(dict.fromkeys(ids, 1)))  # warm-up
-
-    def run() -> None:
-        for _ in range(steps):
-            rt.execute(StepPlan(dict.fromkeys(ids, 1)))
-
-    seconds = timed(run, sync)
-    for sid in ids:
-        rt.remove_sequence(sid)
-    return batch * steps / seconds
+    return decode_tokens_s(rt, ids, steps, sync)
 
 
 def prefill_tps(rt: Runtime, device: str, num_prompts: int, prompt_len: int,

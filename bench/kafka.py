@@ -26,7 +26,7 @@ import orjson
 from batcher.config import BatcherConfig
 from batcher.engine import Engine
 from batcher.types import TERMINAL_EVENT_TYPES, Finished, Request, Tokens
-from bench.harness import figure, goal, latency_figures, percentile, ratio
+from bench.harness import Figure, figure, goal, latency_figures, percentile, ratio
 from bench.served import (
     KV_CACHE_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -125,6 +125,23 @@ async def _broker_round_trips(served: Served, count: int) -> list[float]:
         await producer.stop()
 
 
+def added_ms(path: list[float], baseline: list[float], q: float) -> float | None:
+    """Milliseconds by which `path`'s q-quantile exceeds `baseline`'s; None without samples."""
+    a, b = percentile(path, q), percentile(baseline, q)
+    return None if a is None or b is None else a - b
+
+
+def added_figures(path: dict[str, list[float]],
+                  baseline: dict[str, list[float]]) -> dict[str, Figure]:
+    """What `path` adds to TTFT and to end-to-end latency over `baseline`, p50 and p99."""
+    return {
+        "ttft_p50": figure(added_ms(path["ttft"], baseline["ttft"], 0.5), "ms", 2),
+        "ttft_p99": figure(added_ms(path["ttft"], baseline["ttft"], 0.99), "ms", 2),
+        "end_to_end_p50": figure(added_ms(path["e2e"], baseline["e2e"], 0.5), "ms", 2),
+        "end_to_end_p99": figure(added_ms(path["e2e"], baseline["e2e"], 0.99), "ms", 2),
+    }
+
+
 async def bench_kafka(served: Served, device: str,
                       quick: bool) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """(results, raw TTFT samples per path for the plot)."""
@@ -144,25 +161,15 @@ async def bench_kafka(served: Served, device: str,
             remote["e2e"].append(e2e)
             remote["worker_ttft"].append(worker_ttft)
     hops = await _broker_round_trips(served, 10 if quick else 50)
-
-    def added(kind: str, q: float) -> float | None:
-        a, b = percentile(remote[kind], q), percentile(local[kind], q)
-        return None if a is None or b is None else a - b
-
     floor = 2 * (percentile(hops, 0.5) or 0.0)
-    added_p50 = added("ttft", 0.5)
+    added_p50 = added_ms(remote["ttft"], local["ttft"], 0.5)
     results: dict[str, Any] = {
         "kafka_ttft": latency_figures(remote["ttft"]),
         "kafka_end_to_end": latency_figures(remote["e2e"]),
         "kafka_worker_reported_ttft": latency_figures(remote["worker_ttft"]),
         "baseline_in_process_ttft": latency_figures(local["ttft"]),
         "baseline_in_process_end_to_end": latency_figures(local["e2e"]),
-        "added_by_kafka": {
-            "ttft_p50": figure(added_p50, "ms", 2),
-            "ttft_p99": figure(added("ttft", 0.99), "ms", 2),
-            "end_to_end_p50": figure(added("e2e", 0.5), "ms", 2),
-            "end_to_end_p99": figure(added("e2e", 0.99), "ms", 2),
-        },
+        "added_by_kafka": added_figures(remote, local),
         "limits": {
             "broker_round_trip": latency_figures(hops),
             "two_hop_floor_p50": figure(floor, "ms", 2),

@@ -57,6 +57,22 @@ def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def decode_tokens_s(rt: Runtime, ids: list[str], steps: int, sync: Callable[[], None],
+                    rounds: int = 1) -> float:
+    """Decode tokens/s of the sequences `ids`, their prompts computed: one warm-up step,
+    then the best of `rounds` runs of `steps` steps. Removes the sequences after."""
+    rt.execute(StepPlan(dict.fromkeys(ids, 1)))  # warm-up
+
+    def run() -> None:
+        for _ in range(steps):
+            rt.execute(StepPlan(dict.fromkeys(ids, 1)))
+
+    seconds = min(_timed(run, sync) for _ in range(rounds))
+    for sid in ids:
+        rt.remove_sequence(sid)
+    return len(ids) * steps / seconds
+
+
 def _write_model(config: dict, out: Path) -> None:
     save_file(random_llama_weights(config, seed=0), str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config))
@@ -74,17 +90,7 @@ def _decode_tps(rt: Runtime, batch: int, steps: int, sync: Callable[[], None],
     for i, p in enumerate(_prompts(batch, rt.model_config.vocab_size)):
         rt.add_sequence(f"b{batch}-{i}", p, params)
     rt.execute(StepPlan({s: q.num_uncomputed for s, q in rt.sequences.items()}))
-    ids = list(rt.sequences)
-    rt.execute(StepPlan(dict.fromkeys(ids, 1)))  # warm-up
-
-    def run() -> None:
-        for _ in range(steps):
-            rt.execute(StepPlan(dict.fromkeys(ids, 1)))
-
-    seconds = min(_timed(run, sync) for _ in range(rounds))
-    for s in ids:
-        rt.remove_sequence(s)
-    return batch * steps / seconds
+    return decode_tokens_s(rt, list(rt.sequences), steps, sync, rounds)
 
 
 def _compiled_decode(
@@ -288,17 +294,7 @@ def _adapter_decode_tps(
         p[0] = i + len(keys) * hash(tuple(keys)) % 1000  # no prefix hits across modes
         rt.add_sequence(f"a{i}", p, params, adapter_key=key)
     rt.execute(StepPlan({s: q.num_uncomputed for s, q in rt.sequences.items()}))
-    ids = list(rt.sequences)
-    rt.execute(StepPlan(dict.fromkeys(ids, 1)))  # warm-up
-
-    def run() -> None:
-        for _ in range(steps):
-            rt.execute(StepPlan(dict.fromkeys(ids, 1)))
-
-    seconds = _timed(run, sync)
-    for s in ids:
-        rt.remove_sequence(s)
-    return len(keys) * steps / seconds
+    return decode_tokens_s(rt, list(rt.sequences), steps, sync)
 
 
 def bench_adapters(device: str = "cpu", quick: bool = True) -> dict:

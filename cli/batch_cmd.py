@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, friendly_errors
+from cli.common import fail, friendly_errors, progress_bar
 
 
 class FileFormat(StrEnum):
@@ -49,7 +49,6 @@ def register(app: typer.Typer) -> None:
         """Run every line of IN through the model. Resumable: a re-run skips ids answered
         in OUT and retries those that failed. Exits 1 when any line has no answer."""
         import uvloop
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         from gateway.openai_api import split_model
         from gateway.openai_batch import OpenAIFormat
@@ -69,8 +68,7 @@ def register(app: typer.Typer) -> None:
         async def main() -> None:
             client = Client()
             try:
-                with Progress("[progress.description]{task.description}", BarColumn(),
-                              MofNCompleteColumn(), TimeRemainingColumn()) as progress:
+                with progress_bar() as progress:
                     task = progress.add_task("batch", total=None)
                     await run_batch(
                         client, in_path, out_path, model=model, api_key=key,

@@ -1,4 +1,5 @@
-"""Helpers shared by CLI commands: settings from flags, and errors as one clear line."""
+"""Helpers shared by CLI commands: settings from flags, errors as one clear line, and
+the progress bar of the bulk commands."""
 
 from __future__ import annotations
 
@@ -64,3 +65,11 @@ def parse_assignments(pairs: list[str]) -> dict[str, Any]:
             value = int(raw)
         out[name.strip()] = value
     return out
+
+
+def progress_bar() -> Any:
+    """The bulk commands' bar (`sluice batch`, `sluice replay`): done of total, time left."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    return Progress("[progress.description]{task.description}", BarColumn(),
+                    MofNCompleteColumn(), TimeRemainingColumn())

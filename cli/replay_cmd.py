@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, friendly_errors
+from cli.common import fail, friendly_errors, progress_bar
 
 RANGE_HELP = ("an ISO-8601 date-time (2024-05-24T10:00:00Z; without a zone, local time), "
               "epoch milliseconds, a time before now (-24h, -30m, -2d), or offsets P:O,P:O")
@@ -51,7 +51,6 @@ def register(app: typer.Typer) -> None:
         joining the workers' consumer group. Resumable: a re-run skips records answered in
         OUT and retries those that failed. Exits 1 when any replayed request has no answer."""
         import uvloop
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         from schemas.names import NameError_
         from sluice.client import Client
@@ -71,8 +70,7 @@ def register(app: typer.Typer) -> None:
         async def main() -> None:
             client = Client()
             try:
-                with Progress("[progress.description]{task.description}", BarColumn(),
-                              MofNCompleteColumn(), TimeRemainingColumn()) as progress:
+                with progress_bar() as progress:
                     task = progress.add_task("replay", total=None)
 
                     def phase(description: str, total: int | None) -> None:

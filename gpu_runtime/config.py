@@ -128,11 +128,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"no config.json in {model_dir}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-        config = cls.from_dict(raw)
+        config = cls.from_dict(read_json(path, ModelLoadError))
         gen = _json_object(Path(model_dir) / "generation_config.json")
         # generation_config.json's eos ids (else config.json's), and the tokenizer's eos:
         # a chat model's end of turn may be in only one of them.
@@ -171,13 +167,16 @@ def _sliding_window(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_layers": sliding}
 
 
-def _json_object(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
+def read_json(path: Path, error: type[Exception]) -> Any:
+    """The parsed JSON file; `error` if it is not valid JSON."""
     try:
-        value = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        raise error(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    value = read_json(path, ModelLoadError) if path.is_file() else {}
     return value if isinstance(value, dict) else {}
 
 

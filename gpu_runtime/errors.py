@@ -12,7 +12,7 @@ from __future__ import annotations
 class RuntimeErrorBase(Exception):
     """Base of every error raised by `gpu_runtime`."""
 
-    code: str = "internal"
+    code: str = "internal"  # a subclass sets it only where it differs from its parent's
 
 
 class SequenceError(RuntimeErrorBase):
@@ -24,8 +24,6 @@ class SequenceError(RuntimeErrorBase):
 class InvalidSequenceError(SequenceError):
     """Bad sampling parameters, empty prompt, token ids outside the vocabulary."""
 
-    code = "invalid_request"
-
 
 class ContextTooLongError(SequenceError):
     """The prompt does not fit the model's context or the KV cache."""
@@ -36,19 +34,13 @@ class ContextTooLongError(SequenceError):
 class ModelLoadError(RuntimeErrorBase):
     """The model directory is missing, incomplete or of an unsupported kind."""
 
-    code = "internal"
-
 
 class InsufficientMemoryError(RuntimeErrorBase):
     """Weights + KV cache + activation reserve do not fit in device memory."""
 
-    code = "internal"
-
 
 class SchedulingError(RuntimeErrorBase):
     """The step plan is inconsistent with the runtime's state (a batcher bug)."""
-
-    code = "internal"
 
 
 class OutOfBlocksError(SchedulingError):
@@ -60,8 +52,6 @@ class OutOfBlocksError(SchedulingError):
 class AdapterError(SequenceError):
     """A LoRA adapter is missing, malformed, or does not fit the base model / the slots."""
 
-    code = "invalid_request"
-
 
 class RankFailure(RuntimeErrorBase):
     """A tensor-parallel rank died, hung past the collective timeout, or failed to load.
@@ -69,5 +59,3 @@ class RankFailure(RuntimeErrorBase):
     The replica cannot continue (its ranks no longer agree on what was computed):
     close the `Runtime` and build a new one.
     """
-
-    code = "internal"

@@ -15,7 +15,6 @@ call it without a model on the device.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gpu_runtime.config import ModelConfig
+from gpu_runtime.config import ModelConfig, read_json
 from gpu_runtime.errors import AdapterError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,10 +67,7 @@ def _read_config(adapter_dir: Path, max_lora_rank: int) -> tuple[int, float, boo
     path = adapter_dir / CONFIG_FILE
     if not path.is_file():
         raise AdapterError(f"{adapter_dir} is not a PEFT LoRA adapter: no {CONFIG_FILE}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{path} is not valid JSON: {exc}") from exc
+    raw = read_json(path, AdapterError)
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{path}: peft_type {raw['peft_type']!r} is not LORA")
     unsupported = [

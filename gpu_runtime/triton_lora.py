@@ -25,12 +25,9 @@ EXPAND_BLOCK_N = 64
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, K, R,
-    stride_xt, stride_as, stride_ar, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
+def _segment_tile(seg_starts_ptr, seg_slots_ptr, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows (grid axis 0: segment, axis 1: row tile) and ranks this program works
+    on, with their masks, and the segment's adapter slot."""
     seg = tl.program_id(0)
     slot = tl.load(seg_slots_ptr + seg)
     # A base-model segment (slot -1) masks out all its rows and ranks: it touches no memory.
@@ -41,6 +38,19 @@ def _shrink_kernel(
     m_mask = offs_m < end
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    return slot, offs_m, m_mask, offs_r, r_mask
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, K, R,
+    stride_xt, stride_as, stride_ar, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    slot, offs_m, m_mask, offs_r, r_mask = _segment_tile(
+        seg_starts_ptr, seg_slots_ptr, R, BLOCK_M, BLOCK_R
+    )
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -67,16 +77,9 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    seg = tl.program_id(0)
-    slot = tl.load(seg_slots_ptr + seg)
-    # A base-model segment (slot -1) masks out all its rows and ranks: it touches no memory.
-    end = tl.where(slot >= 0, tl.load(seg_starts_ptr + seg + 1), 0)
-    R = tl.where(slot >= 0, R, 0)
-    slot = tl.maximum(slot, 0)
-    offs_m = tl.load(seg_starts_ptr + seg) + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
+    slot, offs_m, m_mask, offs_r, r_mask = _segment_tile(
+        seg_starts_ptr, seg_slots_ptr, R, BLOCK_M, BLOCK_R
+    )
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b = tl.load(

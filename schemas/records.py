@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.events import AppliedMaxTtftMs, WaitedMs
 from schemas.names import MessageId
 
 _V = "Message format version; always 1."
@@ -31,12 +32,8 @@ class TimeoutRecord(BaseModel):
         "Why, in words: e.g. \"max_ttft_ms passed before the first token\", \"predicted to "
         "miss max_ttft_ms\", or the permission database staying unavailable until "
         "max_ttft_ms passed."))
-    waited_ms: float = Field(ge=0, allow_inf_nan=False, description=(
-        "Milliseconds from the broker's timestamp of the request record until it was "
-        "timed out."))
-    max_ttft_ms: int = Field(ge=1, description=(
-        "The deadline that applied, in milliseconds: the request's max_ttft_ms, capped by "
-        "the model's."))
+    waited_ms: WaitedMs
+    max_ttft_ms: AppliedMaxTtftMs
     request: dict[str, Any] = Field(description=(
         "The request as it was decoded: every InferenceRequest field, defaults filled in."))
 

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams, StepPlan
+from gpu_runtime.tiny import make_tiny_adapters
 
-BASE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,  # peaky logits: greedy ties would make parity flaky
-    bos_token_id=1,
-    eos_token_id=2,
-)
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.1,  # peaky logits: greedy ties would make parity flaky
+            bos_token_id=1, eos_token_id=2)
 
 
 def make_hf_checkpoint(path: Path, seed: int = 0, arch: str = "llama",
@@ -39,6 +36,13 @@ def make_hf_checkpoint(path: Path, seed: int = 0, arch: str = "llama",
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path, model
+
+
+def checkpoint_with_adapters(root: Path, name: str, seed: int, **overrides: object
+                             ) -> tuple[Path, list[Path]]:
+    """`make_hf_checkpoint` at `root/name` and three tiny adapters of it (ranks 8, 4, 16)."""
+    path, _ = make_hf_checkpoint(root / name, seed=seed, **overrides)
+    return path, make_tiny_adapters(path, root / f"{name}-adapters", 3)
 
 
 def hf_logits(hf_model: object, token_ids: list[int]) -> torch.Tensor:
@@ -71,16 +75,22 @@ def make_runtime(path: Path, **overrides: object) -> Runtime:
 
 
 def run_to_completion(
-    rt: Runtime, prompts: dict[str, list[int]], chunk: int = 8, params: SamplingParams | None = None
+    rt: Runtime,
+    prompts: dict[str, list[int]],
+    chunk: int = 8,
+    params: SamplingParams | None = None,
+    adapter_keys: dict[str, str | None] | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
-    """Add all prompts, then step with prefill chunks of `chunk` tokens until all finish.
+    """Add all prompts (each with its adapter in `adapter_keys`, if any), then step with
+    prefill chunks of `chunk` tokens until all finish, checking invariants every step.
 
     Returns per sequence its generated ids and the logits of each sampled step.
     """
     generated: dict[str, list[int]] = {s: [] for s in prompts}
     logits: dict[str, list[torch.Tensor]] = {s: [] for s in prompts}
     for seq_id, ids in prompts.items():
-        rt.add_sequence(seq_id, ids, params or greedy())
+        rt.add_sequence(seq_id, ids, params or greedy(),
+                        adapter_key=(adapter_keys or {}).get(seq_id))
     while rt.sequences:
         plan = {s: min(chunk, q.num_uncomputed) for s, q in rt.sequences.items()}
         out = rt.execute(StepPlan(plan, return_logits=True))
@@ -178,3 +188,15 @@ def assert_ragged_run_matches_hf(hf_model: object, run: tuple, tol: float) -> No
         diff = (torch.stack(logits[s]) - ref).abs().max().item()
         assert diff <= tol, f"{s}: max abs diff {diff}"
         assert tokens[s] == ref.argmax(-1).tolist()
+
+
+def assert_triton_check_passes(module: str) -> None:
+    """Run a Triton check script (`python -m module`) in the Triton interpreter. In a
+    process of its own: TRITON_INTERPRET must be set before triton is first imported."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", module],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout

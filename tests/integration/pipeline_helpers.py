@@ -10,16 +10,20 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import orjson
+import pytest
 from aiokafka import AIOKafkaConsumer
 
 from common.settings import Settings
+
+if TYPE_CHECKING:
+    import openai
 
 TERMINAL = {"done", "error", "timeout"}
 
@@ -96,6 +100,43 @@ def worker_process(settings: Settings, model: str, log_dir: Path, *, pool: str =
     finally:
         worker.kill(signal.SIGTERM)
         worker.kill(signal.SIGKILL)
+
+
+def register_tiny(settings: Settings, model_dir: Path, *, tenant: str = "acme",
+                  compute_config: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Register the model at `model_dir` as `tiny`; (client, a key of `tenant` granted it)."""
+    import sluice
+
+    client = sluice.Client(settings)
+    client.models.register(model="tiny", path=str(model_dir), compute_config=compute_config)
+    key = client.keys.create(tenant=tenant)
+    client.keys.grant(key, model="tiny")
+    return client, key
+
+
+@contextlib.asynccontextmanager
+async def served_gateway(settings: Settings, api_key: str, instance_id: str, timeout_s: float
+                         ) -> AsyncIterator[tuple[openai.AsyncOpenAI, int]]:
+    """`sluice gateway` in this loop on a free port, once ready, and an `openai` client of
+    it with `api_key` that never retries; (client, port). Closes both on exit."""
+    import openai
+
+    from gateway.app import serve
+    from tests.conftest import free_port
+
+    port = free_port()
+    ready = asyncio.Event()
+    gateway = asyncio.create_task(serve(settings, "127.0.0.1", port, instance_id, ready=ready))
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key,
+                             max_retries=0, timeout=timeout_s)
+    try:
+        await asyncio.wait_for(ready.wait(), 60)
+        yield api, port
+    finally:
+        await api.close()
+        gateway.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gateway
 
 
 def tiny_with_adapter(settings: Settings, model_dir: Path, adapters_dir: Path

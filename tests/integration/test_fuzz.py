@@ -12,10 +12,9 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-import sluice
 from common.settings import Settings
 from gpu_runtime.tiny import make_tiny_model
-from tests.integration.pipeline_helpers import worker_process
+from tests.integration.pipeline_helpers import register_tiny, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,16 +68,8 @@ def hostile_records(rnd: random.Random, key: str, n: int):
         yield makers[i % len(makers)](i)
 
 
-async def test_ten_thousand_hostile_records(endpoints, unique_name, tmp_path) -> None:
-    settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
-                        database_url=endpoints.database_url, db_schema=unique_name,
-                        topic_prefix=unique_name, request_partitions=2,
-                        kafka=endpoints.kafka_settings())
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir))
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
+async def test_ten_thousand_hostile_records(settings, tmp_path) -> None:
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"))
     rnd = random.Random(1234)
     records = list(hostile_records(rnd, key, NUM_RECORDS))
     # Two 10 MB prompts: over the worker's limit, so answered with a clear error.

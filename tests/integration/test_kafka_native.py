@@ -18,11 +18,15 @@ from pathlib import Path
 
 import pytest
 
-import sluice
 from gpu_runtime import Runtime, StepOutput, StepPlan
 from gpu_runtime.tiny import make_tiny_model
 from schemas import DoneEvent, TokenEvent
-from tests.integration.pipeline_helpers import drop_schema, terminal_events, worker_process
+from tests.integration.pipeline_helpers import (
+    drop_schema,
+    register_tiny,
+    terminal_events,
+    worker_process,
+)
 from worker.worker import Worker, WorkerOptions
 
 pytestmark = [pytest.mark.integration]
@@ -41,12 +45,8 @@ class GatedRuntime(Runtime):
 
 
 async def test_cancel_running_queued_finished_and_foreign(settings, tmp_path) -> None:
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir),
-                           compute_config={"kv_cache_len": 4096})
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"),
+                                compute_config={"kv_cache_len": 4096})
     other = client.keys.create(tenant="globex")
     client.keys.grant(other, model="tiny")
     GatedRuntime.gate.set()
@@ -130,12 +130,8 @@ async def test_exactly_once_across_a_sigkilled_worker(settings, tmp_path: Path) 
     replica id: every request is answered, and a `read_committed` reader of the reply
     topic sees one terminal event per request — none from the killed attempt's open
     transaction."""
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir), compute_config={
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"), compute_config={
         "kv_cache_len": 8192, "delivery": "exactly_once"})
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
     num = 120
     ids = {f"eo-{i}" for i in range(num)}
     try:

@@ -7,11 +7,10 @@ import asyncio
 import asyncpg
 import pytest
 
-import sluice
 from common.settings import Settings
 from gpu_runtime.tiny import make_tiny_model
 from sluice.errors import InvalidConfigError
-from tests.integration.pipeline_helpers import worker_process
+from tests.integration.pipeline_helpers import register_tiny, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,12 +40,8 @@ async def _terminal_counts(settings: Settings, expected: int) -> dict[str, int]:
 
 
 async def test_config_changes_under_load_end_every_request_once(settings, tmp_path) -> None:
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir),
-                           compute_config={"kv_cache_len": 4096})
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"),
+                                compute_config={"kv_cache_len": 4096})
 
     async def one(i: int) -> str:
         async for event in client.stream(model="tiny", api_key=key, prompt=f"load {i}",

@@ -15,9 +15,8 @@ import time
 import asyncpg
 import pytest
 
-import sluice
-from common.settings import Settings
 from gpu_runtime.tiny import make_tiny_model
+from tests.integration.pipeline_helpers import register_tiny
 from worker.worker import Worker, WorkerOptions
 
 SOAK_SECONDS = float(os.environ.get("SLUICE_SOAK_SECONDS", "600"))
@@ -34,18 +33,16 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-async def test_steady_load_stays_flat(endpoints, unique_name, tmp_path) -> None:
+@pytest.fixture
+def request_partitions() -> int:
+    """The soak's request topic has four partitions, not the suite's two."""
+    return 4
+
+
+async def test_steady_load_stays_flat(settings, tmp_path) -> None:
     seconds = SOAK_SECONDS
-    settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap,
-                        database_url=endpoints.database_url, db_schema=unique_name,
-                        topic_prefix=unique_name, request_partitions=4,
-                        kafka=endpoints.kafka_settings())
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir),
-                           compute_config={"kv_cache_len": 8192})
-    key = client.keys.create(tenant="soak")
-    client.keys.grant(key, model="tiny")
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"), tenant="soak",
+                                compute_config={"kv_cache_len": 8192})
     worker = Worker(settings, WorkerOptions(model="tiny", instance_id="soak-0"))
     task = asyncio.create_task(worker.run())
     samples: list[tuple[float, float, int]] = []

@@ -12,9 +12,15 @@ import copy
 import pytest
 import torch
 
-from gpu_runtime import StepPlan
 from gpu_runtime.tiny import make_tiny_adapters
-from tests.runtime_support import greedy, hf_logits, make_hf_checkpoint, make_runtime
+from tests.runtime_support import (
+    greedy,
+    hf_logits,
+    make_hf_checkpoint,
+    make_runtime,
+    random_prompt,
+    run_to_completion,
+)
 
 TOL = 1e-4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -49,11 +55,6 @@ def setup(tmp_path_factory):
     return path, hf, adapters
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (n,), generator=g).tolist()
-
-
 def test_adapters_and_base_in_one_batch_match_peft(setup):
     path, hf, adapters = setup
     rt = make_runtime(path, max_lora_rank=16)
@@ -61,18 +62,9 @@ def test_adapters_and_base_in_one_batch_match_peft(setup):
         info = rt.register_adapter(name, adapter_dir)
         assert info.use_rslora == (name == "mlp-o-r16-rslora")
     keys = [*adapters, None]
-    prompts = {f"s{i}": _prompt(9 + 7 * i, i) for i in range(len(keys))}
-    for (seq_id, prompt), key in zip(prompts.items(), keys, strict=True):
-        rt.add_sequence(seq_id, prompt, greedy(21), adapter_key=key)
-    tokens = {s: [] for s in prompts}
-    logits = {s: [] for s in prompts}
-    while rt.sequences:
-        plan = {s: min(8, q.num_uncomputed) for s, q in rt.sequences.items()}
-        out = rt.execute(StepPlan(plan, return_logits=True))
-        for o in out.outputs:
-            tokens[o.seq_id].append(o.token_id)
-            logits[o.seq_id].append(out.logits[o.seq_id])
-        rt.check_invariants()
+    prompts = {f"s{i}": random_prompt(9 + 7 * i, i) for i in range(len(keys))}
+    tokens, logits = run_to_completion(rt, prompts, params=greedy(21),
+                                       adapter_keys=dict(zip(prompts, keys, strict=True)))
     for (seq_id, prompt), key in zip(prompts.items(), keys, strict=True):
         ref_model = hf if key is None else adapters[key][1]
         assert len(tokens[seq_id]) == 21  # prompt + 20 decode steps

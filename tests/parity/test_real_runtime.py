@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from pathlib import Path
@@ -12,10 +11,11 @@ import pytest
 from batcher.config import BatcherConfig
 from batcher.engine import Engine
 from batcher.runtime_port import RuntimePort
-from batcher.types import TERMINAL_EVENT_TYPES, Event, Finished, Request, Tokens
+from batcher.types import Event, Finished, Request, Tokens
 from gpu_runtime import Runtime, RuntimeConfig
 from gpu_runtime.sequence import SamplingParams, StepPlan
 from gpu_runtime.tiny import make_tiny_adapters, make_tiny_model
+from tests.unit.batcher.sim import collect
 
 ADAPTERS = [None, "sales", "support", "legal", "ops"]
 
@@ -57,17 +57,9 @@ def run_alone(rt: Runtime, prompt: list[int], max_tokens: int, adapter: str | No
 
 
 async def serve(engine: Engine, requests: list[Request]) -> dict[str, list[Event]]:
-    events: dict[str, list[Event]] = {r.key: [] for r in requests}
-    pending = set(events)
     for req in requests:
         engine.submit(req)
-    async with asyncio.timeout(120):
-        while pending:
-            ev = await engine.next_event()
-            events[ev.key].append(ev)
-            if isinstance(ev, TERMINAL_EVENT_TYPES):
-                pending.discard(ev.key)
-    return events
+    return await collect(engine, {r.key for r in requests}, timeout=120)
 
 
 def to_requests(work: list[tuple[str, list[int], int, str | None]]) -> list[Request]:

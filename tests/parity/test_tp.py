@@ -15,10 +15,9 @@ import torch
 from gpu_runtime import InsufficientMemoryError, ModelConfig, plan_memory
 from gpu_runtime.parallel import ShardLayout, num_local_kv_heads
 from gpu_runtime.planner import MemoryRequest, plan_for
-from gpu_runtime.tiny import make_tiny_adapters
 from tests.runtime_support import (
     assert_same_runs,
-    make_hf_checkpoint,
+    checkpoint_with_adapters,
     make_runtime,
     random_prompts,
     run_mixed,
@@ -32,9 +31,7 @@ TP = dict(tp=2, tp_timeout_s=30)
 
 @pytest.fixture(scope="module")
 def kv3(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    path, _ = make_hf_checkpoint(root / "kv3", seed=5, **KV3)
-    return path, make_tiny_adapters(path, root / "kv3-adapters", 3)
+    return checkpoint_with_adapters(tmp_path_factory.mktemp("tp"), "kv3", seed=5, **KV3)
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,9 @@ import torch
 from typer.testing import CliRunner
 
 from gpu_runtime import ModelLoadError, RankFailure, StepPlan
-from gpu_runtime.tiny import make_tiny_adapters
 from tests.runtime_support import (
     assert_same_runs,
+    checkpoint_with_adapters,
     greedy,
     make_hf_checkpoint,
     make_runtime,
@@ -39,9 +39,7 @@ TP = dict(tp=2, tp_timeout_s=30)
 
 @pytest.fixture(scope="module")
 def bias(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-ranks")
-    path, _ = make_hf_checkpoint(root / "bias", seed=6, **BIAS)
-    return path, make_tiny_adapters(path, root / "bias-adapters", 3)
+    return checkpoint_with_adapters(tmp_path_factory.mktemp("tp-ranks"), "bias", seed=6, **BIAS)
 
 
 def _swap_heavy(rt, adapters) -> tuple[dict, dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,18 @@ def worker_container(deployment: Manifest) -> Manifest:
 def pool_model(deployment: Manifest) -> tuple[str, str]:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     return labels["sluice.dev/pool"], labels["sluice.dev/model"]
+
+
+def one_per_worker(rendered: dict[str, list[Manifest]], kind: str
+                   ) -> Iterator[tuple[str, Manifest, Manifest]]:
+    """(workload name, workload, its `kind` object) in every rendering, after checking
+    that the `kind` objects and the worker workloads pair up one to one by name."""
+    for name in ("default", "single-pool", "two-pools"):
+        deployments = workers(rendered[name])
+        objects = of_kind(rendered[name], kind)
+        assert objects.keys() == deployments.keys()
+        for dep_name, obj in objects.items():
+            yield dep_name, deployments[dep_name], obj
 
 
 def test_one_workload_per_pool_and_model(rendered: dict[str, list[Manifest]]) -> None:
@@ -172,20 +185,16 @@ def test_gpu_resources_follow_tp(rendered: dict[str, list[Manifest]]) -> None:
 
 
 def test_a_scaled_object_per_worker_workload(rendered: dict[str, list[Manifest]]) -> None:
-    for name in ("default", "single-pool", "two-pools"):
-        deployments = workers(rendered[name])
-        scaled = of_kind(rendered[name], "ScaledObject")
-        assert scaled.keys() == deployments.keys()
-        for dep_name, so in scaled.items():
-            _, model = pool_model(deployments[dep_name])
-            assert so["spec"]["scaleTargetRef"]["name"] == dep_name
-            (trigger,) = so["spec"]["triggers"]
-            assert trigger["type"] == "kafka"
-            meta = trigger["metadata"]
-            assert meta["consumerGroup"] == f"sluice.{model}"
-            assert meta["topic"] == f"sluice.requests.{model}"
-            assert meta["lagThreshold"].isdigit()
-            assert meta["activationLagThreshold"].isdigit()
+    for dep_name, dep, so in one_per_worker(rendered, "ScaledObject"):
+        _, model = pool_model(dep)
+        assert so["spec"]["scaleTargetRef"]["name"] == dep_name
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "kafka"
+        meta = trigger["metadata"]
+        assert meta["consumerGroup"] == f"sluice.{model}"
+        assert meta["topic"] == f"sluice.requests.{model}"
+        assert meta["lagThreshold"].isdigit()
+        assert meta["activationLagThreshold"].isdigit()
     scaled = of_kind(rendered["two-pools"], "ScaledObject")
     small = next(so for so in scaled.values() if "llama-8b" in so["metadata"]["name"])
     assert (small["spec"]["minReplicaCount"], small["spec"]["maxReplicaCount"]) == (0, 8)
@@ -193,13 +202,9 @@ def test_a_scaled_object_per_worker_workload(rendered: dict[str, list[Manifest]]
 
 
 def test_pdb_per_worker_workload(rendered: dict[str, list[Manifest]]) -> None:
-    for name in ("default", "single-pool", "two-pools"):
-        deployments = workers(rendered[name])
-        pdbs = of_kind(rendered[name], "PodDisruptionBudget")
-        assert pdbs.keys() == deployments.keys()
-        for dep_name, pdb in pdbs.items():
-            assert pdb["spec"]["selector"] == deployments[dep_name]["spec"]["selector"]
-            assert pdb["spec"]["maxUnavailable"] == 1
+    for _, dep, pdb in one_per_worker(rendered, "PodDisruptionBudget"):
+        assert pdb["spec"]["selector"] == dep["spec"]["selector"]
+        assert pdb["spec"]["maxUnavailable"] == 1
 
 
 def _topic_script(docs: list[Manifest]) -> list[str]:

@@ -1,10 +1,12 @@
-"""Drive a `Scheduler` over a `FakeRuntime` on simulated time."""
+"""Drive a `Scheduler` over a `FakeRuntime` on simulated time; collect an `Engine`'s events."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from batcher.engine import Engine
 from batcher.scheduler import BatchPlan, Scheduler
 from batcher.types import TERMINAL_EVENT_TYPES, Event, Request, Tokens
 from gpu_runtime.sequence import SamplingParams
@@ -81,3 +83,18 @@ def run_until_idle(
             return
         step(sched, rt, trace)
     raise AssertionError("scheduler did not finish its work")
+
+
+async def collect(
+    engine: Engine, request_ids: set[str], timeout: float = 10.0
+) -> dict[str, list[Event]]:
+    """The events of each of `request_ids` from `engine`, until every one has ended."""
+    out: dict[str, list[Event]] = {r: [] for r in request_ids}
+    pending = set(request_ids)
+    async with asyncio.timeout(timeout):
+        while pending:
+            ev = await engine.next_event()
+            out[ev.key].append(ev)
+            if isinstance(ev, TERMINAL_EVENT_TYPES):
+                pending.discard(ev.key)
+    return out

@@ -12,9 +12,7 @@ from batcher.config import BatcherConfig
 from batcher.engine import Engine
 from batcher.errors import EngineClosedError
 from batcher.types import (
-    TERMINAL_EVENT_TYPES,
     Cancelled,
-    Event,
     Expired,
     Failed,
     Finished,
@@ -22,7 +20,7 @@ from batcher.types import (
 )
 from gpu_runtime.sequence import StepOutput, StepPlan
 from tests.unit.batcher.fake_runtime import FakeRuntime, run_alone
-from tests.unit.batcher.sim import make_request
+from tests.unit.batcher.sim import collect, make_request
 
 
 class SlowRuntime(FakeRuntime):
@@ -39,20 +37,6 @@ class SlowRuntime(FakeRuntime):
         self.num_executes += 1
         time.sleep(self.step_s)
         return super().execute(plan)
-
-
-async def collect(
-    engine: Engine, request_ids: set[str], timeout: float = 10.0
-) -> dict[str, list[Event]]:
-    out: dict[str, list[Event]] = {r: [] for r in request_ids}
-    pending = set(request_ids)
-    async with asyncio.timeout(timeout):
-        while pending:
-            ev = await engine.next_event()
-            out[ev.key].append(ev)
-            if isinstance(ev, TERMINAL_EVENT_TYPES):
-                pending.discard(ev.key)
-    return out
 
 
 def prompt(i: int, n: int) -> list[int]:

@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from gpu_runtime.attention import decode_attention, prefill_attention
 from gpu_runtime.context import PrefillChunk
+from tests.runtime_support import assert_triton_check_passes
 from tests.unit.runtime.triton_check import make_case
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_triton_kernel_matches_reference_in_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.unit.runtime.triton_check"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK" in proc.stdout
+    assert_triton_check_passes("tests.unit.runtime.triton_check")
 
 
 @pytest.mark.parametrize("window", [None, 3, 5, 16, 20])

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +13,7 @@ from safetensors.torch import load_file, save_file
 from gpu_runtime.errors import AdapterError
 from gpu_runtime.lora_format import validate_adapter_dir
 from gpu_runtime.tiny import TinySpec, make_tiny_adapters, make_tiny_model
-from tests.runtime_support import make_runtime
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.runtime_support import assert_triton_check_passes, make_runtime
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +82,7 @@ def test_rejects_rank_targets_and_missing_files(dirs, tmp_path):
 
 def test_lora_kernels_match_reference_in_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.unit.runtime.triton_lora_check"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK" in proc.stdout
+    assert_triton_check_passes("tests.unit.runtime.triton_lora_check")
 
 
 def test_lora_launchers_reject_bad_inputs():

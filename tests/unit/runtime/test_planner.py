@@ -9,16 +9,9 @@ from gpu_runtime import InsufficientMemoryError, MemoryRequest, ModelConfig, pla
 from gpu_runtime.planner import GIB, plan_for
 from tests.runtime_support import make_hf_checkpoint, make_runtime
 
-LLAMA3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-)
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                        max_position_embeddings=8192)
 
 
 def test_llama3_8b_numbers():
