@@ -60,7 +60,8 @@ def register(app: typer.Typer) -> None:
         from common.logs import setup_logging
         from common.settings import Settings
         from worker.identity import ReplicaTakenError
-        from worker.worker import Worker, WorkerOptions
+        from worker.supervision import StopWatchdog
+        from worker.worker import STOP_DEADLINE_S, Worker, WorkerOptions
 
         setup_logging(log_level)
         settings = Settings.load(pool=pool, kafka_bootstrap=kafka_bootstrap,
@@ -74,7 +75,8 @@ def register(app: typer.Typer) -> None:
         count = replicas if replicas is not None else _auto_replicas(settings, model, device, tp)
         if count > 1 and replica is None:  # several on one host: each its own GPUs, k*tp...
             options = dataclasses.replace(options, replica=0)
-        worker = Worker(settings, options)
+        watchdog = StopWatchdog(STOP_DEADLINE_S, lambda: 3 if worker.fatal is not None else 0)
+        worker = Worker(settings, options, watchdog=watchdog)
         children = _spawn_other_replicas(count, options.replica or 0)
 
         async def main() -> None:
@@ -89,6 +91,10 @@ def register(app: typer.Typer) -> None:
         except ReplicaTakenError as exc:
             raise fail(str(exc), 2) from None
         finally:
+            # The interpreter's exit waits for the loop executor's threads: one stuck in
+            # a call must not keep a stopped worker's process alive.
+            watchdog.step = "exiting the process"
+            watchdog.arm()
             _stop_children(children)
         if worker.fatal is not None:
             logging.getLogger("sluice").error("worker stopped: %s", worker.fatal)

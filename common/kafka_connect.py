@@ -9,8 +9,10 @@ names the setting to fix; `connect` runs a client's `start()` with it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from common.errors import KafkaAccessError
@@ -19,6 +21,7 @@ from common.settings import Settings
 from common.timeouts import dependency_call
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 async def diagnose(settings: Settings, original: BaseException | None = None) -> str:
@@ -98,3 +101,26 @@ async def connect(start: Awaitable[T], settings: Settings, what: str) -> T:
         if line is None:
             raise
         raise KafkaAccessError(line) from None
+
+
+async def until_available(work: Callable[[], Awaitable[T]], settings: Settings, what: str,
+                          on_wait: Callable[[str], None] = lambda _why: None) -> T:
+    """`work()`, tried again with backoff while Kafka answers with a retriable error (a
+    broker away, a partition's leader being elected: a routine outage, not a reason to
+    stop) for up to SLUICE_CLIENT__TIMEOUT_SECS; then that error. `on_wait` hears why
+    it waits (the worker's status says it)."""
+    from aiokafka.errors import KafkaError
+
+    deadline = time.monotonic() + settings.client.timeout_secs
+    backoff_s = 0.5
+    while True:
+        try:
+            return await work()
+        except KafkaError as exc:
+            if not exc.retriable or time.monotonic() + backoff_s > deadline:
+                raise
+            why = f"Kafka: {type(exc).__name__}: {exc}"
+            log.warning("%s: %s; trying again in %.1f s", what, why, backoff_s)
+            on_wait(why)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 5.0)

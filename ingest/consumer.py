@@ -36,6 +36,11 @@ from ingest.verdicts import Cancel, DeadLettered, IngestOptions, Route
 
 log = logging.getLogger(__name__)
 
+# The group gives up on a member silent this long, and on one that has not rejoined
+# this long after a rebalance began (aiokafka's default rebalance timeout is the same;
+# named here because a revocation's handover must end well within it).
+SESSION_TIMEOUT_MS = 10_000
+
 OnRevoked = Callable[[list[TopicPartition]], Awaitable[None]]
 # Partitions just assigned, for their owner to take over before they are read
 # (exactly-once: fencing their earlier owners), and then to `start_partitions`.
@@ -76,7 +81,8 @@ class RequestIngest:
             **options.kafka_options, group_id=options.group_id,
             group_instance_id=options.instance_id, enable_auto_commit=False,
             auto_offset_reset="earliest", isolation_level="read_committed",
-            session_timeout_ms=10_000, heartbeat_interval_ms=1_000,
+            session_timeout_ms=SESSION_TIMEOUT_MS, rebalance_timeout_ms=SESSION_TIMEOUT_MS,
+            heartbeat_interval_ms=1_000,
             max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=16 * 1024 * 1024,
         )
         self.fetcher = SafeFetcher(self.consumer)

@@ -283,6 +283,10 @@ class TransactionCommitter:
         async with port.gate:
             if self._closed:
                 return
+            if isinstance(port.failure, FENCED):
+                # Reported lost already (`on_lost`), by a commit that held the gate
+                # first: nothing of it is committed from here, and the rest goes on.
+                return
             if port.failure is not None:
                 raise TransactionsFailed(f"transactions failed: {port.failure}")
             try:

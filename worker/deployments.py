@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from common.errors import NotFoundError
+from common.kafka_connect import until_available
 from common.safe_fetch import SafeFetcher
 from common.settings import Settings
 from common.topics import partitions_of
@@ -40,9 +41,17 @@ class DeploymentWatcher:
         self._changed = asyncio.Event()
         self._on_change: OnChange | None = None
 
-    async def start(self, on_change: OnChange | None = None) -> None:
-        """Read the control topic up to its current end (no callbacks for that part)."""
+    async def start(self, on_change: OnChange | None = None,
+                    on_wait: Callable[[str], None] = lambda _why: None) -> None:
+        """Read the control topic up to its current end (no callbacks for that part),
+        waiting out a broker that is away (its partitions' offsets asked of a leader
+        not yet replaced)."""
         await self._consumer.start()
+        await until_available(self._read_to_end, self.settings,
+                              f"reading {self.settings.topic('control')}", on_wait)
+        self._on_change = on_change
+
+    async def _read_to_end(self) -> None:
         topic = self.settings.topic("control")
         partitions = await self._control_partitions(topic)
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
@@ -53,7 +62,6 @@ class DeploymentWatcher:
         end = await self._consumer.end_offsets(tps)
         while not await self._caught_up(end):
             await self._read_once()
-        self._on_change = on_change
 
     async def _caught_up(self, end: dict[TopicPartition, int]) -> bool:
         for tp, offset in end.items():

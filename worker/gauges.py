@@ -8,17 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from collections.abc import Callable
 
 from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
-from batcher.engine import Engine
 from common.timeouts import within
-from gpu_runtime import Runtime
 from ingest.consumer import RequestIngest
 from ingest.offsets import OffsetTracker
+from worker.loaded_model import LoadedModel
 from worker.metrics import WorkerMetrics
-from worker.served_adapters import ServedAdapters
 
 log = logging.getLogger(__name__)
 
@@ -26,28 +24,19 @@ log = logging.getLogger(__name__)
 ACCESS_CHECK_EVERY_S = 30.0
 
 
-class Serving(Protocol):
-    """What the gauges read of the worker (each may be replaced by a reload)."""
-
-    engine: Engine | None
-    runtime: Runtime | None
-    ingest: RequestIngest | None
-    adapters: ServedAdapters
-
-
-async def publish_gauges(serving: Serving, metrics: WorkerMetrics, tracker: OffsetTracker,
-                         topic: str) -> None:
+async def publish_gauges(loaded: LoadedModel, ingest_of: Callable[[], RequestIngest | None],
+                         metrics: WorkerMetrics, tracker: OffsetTracker, topic: str) -> None:
     checked = time.monotonic()
     while True:
         await asyncio.sleep(1.0)
-        engine, runtime, ingest = serving.engine, serving.runtime, serving.ingest
+        engine, runtime, ingest = loaded.engine, loaded.runtime, ingest_of()
         if engine is None or runtime is None or ingest is None:
             continue
         if time.monotonic() - checked > ACCESS_CHECK_EVERY_S:
             checked = time.monotonic()
             await _check_access(ingest, topic)
-        if serving.adapters.has_retired:
-            await serving.adapters.drop_retired(runtime, engine)
+        if loaded.adapters.has_retired:
+            await loaded.adapters.drop_retired(runtime, engine)
         metrics.set_queue(engine.scheduler.num_waiting, engine.scheduler.num_running)
         bm = runtime.block_manager
         metrics.set_kv(bm.num_blocks - bm.num_free_blocks, bm.num_free_blocks)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from aiokafka import TopicPartition
 
 from batcher.engine import Engine
-from ingest.consumer import RequestIngest
+from common.timeouts import within
+from ingest.consumer import SESSION_TIMEOUT_MS, RequestIngest
 from ingest.offsets import OffsetTracker
 from results.writer import ResultWriter
 from worker.delivery import Delivery
@@ -28,7 +29,12 @@ from worker.requests import HeldRequests
 log = logging.getLogger(__name__)
 
 LEAVE_GROUP_S = 30.0
-HAND_OVER_S = 20.0
+# A revocation runs inside the rebalance: a member that has not rejoined within the
+# rebalance timeout is dropped from the group, its partitions given to others while it
+# still hands them over (and streams). Half of it for the requests to finish, a quarter
+# for the last commit, the rest to rejoin.
+HAND_OVER_S = SESSION_TIMEOUT_MS / 1000 / 2
+LAST_COMMIT_S = SESSION_TIMEOUT_MS / 1000 / 4
 
 
 @dataclass(slots=True, kw_only=True)
@@ -68,7 +74,12 @@ class Handover:
         for tp in revoked:  # nothing more is answered for them, even if a step ends
             self.tracker.silence(tp)
         if ingest is not None:
-            await ingest.commit()
+            try:
+                await within(LAST_COMMIT_S, ingest.commit())
+            except Exception as exc:  # their new owner serves from the last commit point
+                log.warning("the last commit of partitions %s failed (%s: %s); handing "
+                            "them over from their previous commit point", names,
+                            type(exc).__name__, exc)
         self.delivery.release(list(revoked), "stopping revoked partitions' producers")
         log.info("partitions %s revoked; handed over after %.2f s%s", names,
                  time.monotonic() - started,

@@ -129,7 +129,11 @@ class ReplicaLock:
                             self.instance_id)
             try:
                 await self._retake()
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            except ReplicaTakenError:
+                raise
+            except Exception as exc:  # the database is still away: try again next check
+                log.debug("taking replica %s's lock again failed: %s: %s", self.instance_id,
+                          type(exc).__name__, exc)
                 continue
             log.info("holding replica %s's lock again after %.1f s", self.instance_id,
                      time.monotonic() - lost_at)
@@ -151,7 +155,11 @@ class ReplicaLock:
             return False
         try:
             await within(5, conn.fetchval("SELECT 1"))
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+        except Exception:
+            # Any failure means the session is gone or unusable: a server shutting down
+            # sends its error on the idle connection, which then refuses every query
+            # ("cannot switch to state ...; another operation is in progress",
+            # InternalClientError) until it is closed.
             await _close(conn)
             return False
         return True

@@ -30,23 +30,26 @@ RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
 
 
 class LoadedModel:
-    def __init__(self, model: str, options: WorkerOptions, compile_setting: bool | None,
+    def __init__(self, options: WorkerOptions, host_compile: bool | None,
                  runtime_factory: RuntimeFactory, metrics: WorkerMetrics,
                  on_status: Callable[[], None]):
-        self.model = model
         self._options = options
-        self._compile_setting = compile_setting
+        self._host_compile = host_compile  # SLUICE_COMPILE
         # A seam for fault-injection tests: they wrap the runtime's `execute`.
         self._runtime_factory = runtime_factory
         self._metrics = metrics
         self._on_status = on_status
         self.runtime: Runtime | None = None
         self.engine: Engine | None = None
-        self.adapters = ServedAdapters(model)
+        self.adapters = ServedAdapters(options.model)
         self.compiling = False  # the compiled step is being built behind live serving
 
+    @property
+    def model(self) -> str:
+        return self._options.model
+
     def runtime_config(self, dep: ModelDeployment) -> RuntimeConfig:
-        return self._options.runtime_config(dep, self._compile_setting)
+        return self._options.runtime_config(dep, self._host_compile)
 
     async def load(self, dep: ModelDeployment) -> Engine:
         """The runtime, its adapters and a started engine for `dep`."""

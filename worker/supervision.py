@@ -117,3 +117,42 @@ async def in_background_thread(work: Callable[[], T]) -> T:
 
     threading.Thread(target=run, name="sluice-compile", daemon=True).start()
     return await future
+
+
+class StopWatchdog:
+    """Ends the process when a decided stop has not ended it within `deadline_s`.
+
+    A shutdown step can hang where no timeout reaches it: a client's stop waiting on a
+    broker that is away, a pool closing while a connection is stuck in a call, a thread
+    of the loop's executor blocking the interpreter's exit. A worker that has decided to
+    stop and still runs looks alive to its supervisor while it serves nothing, so after
+    the deadline the watchdog (a thread: the event loop may be the thing that hangs)
+    logs the step it was in and exits with the worker's exit code.
+    """
+
+    def __init__(self, deadline_s: float, exit_code: Callable[[], int]):
+        self.deadline_s = deadline_s
+        self._exit_code = exit_code
+        self.step = "deciding to stop"
+        self._timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        """Start the countdown (once: the first decision to stop counts)."""
+        if self._timer is None:
+            self._timer = threading.Timer(self.deadline_s, self._expire)
+            self._timer.name = "sluice-stop-watchdog"
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        code = self._exit_code()
+        log.error("the worker decided to stop %.0f s ago and still runs (stuck in: %s); "
+                  "exiting now with exit code %d", self.deadline_s, self.step, code)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        os._exit(code)

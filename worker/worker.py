@@ -33,10 +33,11 @@ events — nothing held, the pump idle — each bounded by a timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import asyncpg
 
@@ -65,8 +66,7 @@ from worker.membership import MembershipGate
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.options import WorkerOptions, results_options
 from worker.requests import EventPump, HeldRequests
-from worker.served_adapters import ServedAdapters
-from worker.supervision import WatchedTasks, quietly
+from worker.supervision import StopWatchdog, WatchedTasks, quietly
 
 __all__ = ["Worker", "WorkerOptions", "WorkerTaskFailed"]
 
@@ -75,8 +75,12 @@ log = logging.getLogger(__name__)
 # Compute-config fields whose change needs the model reloaded.
 RELOAD_FIELDS = ("kv_cache_len", "tp", "quantization", "max_adapters", "max_lora_rank", "dtype",
                  "delivery")
-# Bound of the drain when stopping.
-DRAIN_S = 30.0
+# A decided stop ends the process within STOP_DEADLINE_S (`StopWatchdog`): the drain
+# may take DRAIN_S of it, the last answers' writing PUMP_IDLE_S, the rest is bounded
+# shutdown steps.
+STOP_DEADLINE_S = 30.0
+DRAIN_S = 20.0
+PUMP_IDLE_S = 5.0
 # A stall this long (of the session timeout's 10 s) makes the worker confirm its group
 # membership before it writes again.
 STALL_S = 3.0
@@ -88,8 +92,12 @@ class WorkerTaskFailed(RuntimeError):
 
 class Worker:
     def __init__(self, settings: Settings, options: WorkerOptions,
-                 runtime_factory: RuntimeFactory = Runtime):
+                 runtime_factory: RuntimeFactory = Runtime, *,
+                 watchdog: StopWatchdog | None = None):
         self.settings = settings
+        # Ends the process if a decided stop hangs (`sluice worker`; a worker inside
+        # another program, the demo or a test, has none).
+        self.watchdog = watchdog
         self.options = options
         self.model = options.model
         # The static group member id, settled in `run` once this worker holds its lock
@@ -102,8 +110,8 @@ class Worker:
         self.metrics_server: MetricsServer | None = None
         self.held = HeldRequests()
         self.deployment: ModelDeployment | None = None
-        self.loaded = LoadedModel(self.model, options, settings.compile, runtime_factory,
-                                  self.metrics, on_status=self._update_status)
+        self.loaded = LoadedModel(options, settings.compile, runtime_factory, self.metrics,
+                                  on_status=self._update_status)
         self.ingest: RequestIngest | None = None
         self.intake = Intake(self.loaded, held=self.held, tracker=self.tracker,
                              metrics=self.metrics)
@@ -130,10 +138,6 @@ class Worker:
     @property
     def engine(self) -> Engine | None:
         return self.loaded.engine
-
-    @property
-    def adapters(self) -> ServedAdapters:
-        return self.loaded.adapters
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -166,8 +170,8 @@ class Worker:
             self.tasks.watch(checker.start(), "permission listener")
             await self._start_heartbeat(pool)
             await connect(self.writer.start(), self.settings, "the worker's producer")
-            await connect(watcher.start(self._on_deployment), self.settings,
-                          f"reading {self.settings.topic('control')}")
+            await connect(watcher.start(self._on_deployment, on_wait=self._waiting),
+                          self.settings, f"reading {self.settings.topic('control')}")
             spawn(watcher.run(), "deployment watcher")
             self.deployment = await self.tasks.until_stopped(
                 watcher.wait_for_deployment(self.options.wait_for_model_s))
@@ -185,7 +189,7 @@ class Worker:
             spawn(self._consume(), "request consumer")
             spawn(self.pump.run(), "event pump")  # type: ignore[union-attr]
             spawn(self._commit_loop(), "offset commits")
-            spawn(publish_gauges(self, self.metrics, self.tracker,
+            spawn(publish_gauges(self.loaded, lambda: self.ingest, self.metrics, self.tracker,
                                  self.settings.requests_topic(self.model)), "gauges")
             spawn(self.membership.watch(), "stall watch")
             if not self._stopping.is_set():
@@ -214,6 +218,9 @@ class Worker:
         if self.heartbeat is not None:
             self.heartbeat.set_status(status)
 
+    def _waiting(self, why: str) -> None:
+        self._set_status(f"waiting ({why})")
+
     def _update_status(self) -> None:
         self._set_status(self._serving_status())
 
@@ -228,45 +235,55 @@ class Worker:
         return "serving (compiling)" if self.loaded.compiling else "serving"
 
     def stop(self) -> None:
+        self._decide_stop()
+
+    def _decide_stop(self) -> None:
+        """From here the process ends within the watchdog's deadline, however the
+        shutdown goes."""
         self._stopping.set()
+        if self.watchdog is not None:
+            self.watchdog.arm()
+
+    async def _shutdown_step(self, work: Coroutine[Any, Any, Any], what: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.step = what
+        await quietly(work, what)
 
     async def _shutdown(self, watcher: DeploymentWatcher, checker: PermissionChecker,
                         pool: asyncpg.Pool) -> None:
         self.metrics.set_ready(False)
         self._set_status("stopping")
+        step = self._shutdown_step
         engine = self.engine
         if engine is not None and self.fatal is None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(DRAIN_S):
-                    await engine.drain()
+            await step(within(DRAIN_S, engine.drain()), "draining the requests in flight")
             if self.pump is not None:  # the drained requests' last events reach results
-                await self.pump.wait_idle(engine)
-        await self.tasks.cancel_all()
+                await step(self.pump.wait_idle(engine, PUMP_IDLE_S), "writing their answers")
+        await step(self.tasks.cancel_all(), "cancelling the background tasks")
         committer = self.delivery.committer if self.delivery is not None else None
         if committer is not None:
             # The last transactions, with what the drain finished (never after one failed).
             if self.writer is not None:
-                await quietly(self.writer.flush(), "flushing the last answers")
+                await step(self.writer.flush(), "flushing the last answers")
             if self.ingest is not None and self.fatal is None:
-                await quietly(self.ingest.commit(), "the last transactions")
+                await step(self.ingest.commit(), "the last transactions")
             committer.close()
         if self.delivery is not None and self.delivery.transactions is not None:
-            await quietly(self.delivery.transactions.close_all(),
-                          "stopping the transactional producers")
+            await step(self.delivery.transactions.close_all(),
+                       "stopping the transactional producers")
         if self.writer is not None:
-            await quietly(self.writer.stop(), "stopping the producer")
+            await step(self.writer.stop(), "stopping the producer")
         if self.ingest is not None:
             if committer is None:
-                await quietly(self.ingest.commit(), "the last offset commit")
-            await quietly(self.ingest.stop(), "leaving the consumer group")
-        await self.loaded.close()
-        await quietly(watcher.stop(), "stopping the control-topic reader")
-        await checker.close()
+                await step(self.ingest.commit(), "the last offset commit")
+            await step(self.ingest.stop(), "leaving the consumer group")
+        await step(self.loaded.close(), "closing the model runtime")
+        await step(watcher.stop(), "stopping the control-topic reader")
+        await step(checker.close(), "closing the permission listener")
         if self.heartbeat is not None:
             self.heartbeat.set_status("stopped")
-            with contextlib.suppress(Exception):
-                await within(5, self.heartbeat.beat())
-        await pool.close()
+            await step(within(5, self.heartbeat.beat()), "the last heartbeat")
+        await step(pool.close(), "closing the database pool")
         if self.metrics_server is not None:
             self.metrics_server.close()
 
@@ -279,7 +296,7 @@ class Worker:
         self.metrics.set_ready(False)
         if self.fatal is None:
             self.fatal = WorkerTaskFailed(what + why)
-        self._stopping.set()
+        self._decide_stop()
 
     # ---- deployment ------------------------------------------------------------------
 
@@ -296,11 +313,11 @@ class Worker:
         else:
             self.pump.switch(engine)
         if self.ingest is not None:
-            self.ingest.adapters = frozenset(self.adapters.names)
+            self.ingest.adapters = frozenset(self.loaded.adapters.names)
         assert self.delivery is not None
         await self.delivery.use(dep)
         log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
-                 sorted(self.adapters.names), time.monotonic() - started)
+                 sorted(self.loaded.adapters.names), time.monotonic() - started)
         config = self.loaded.runtime_config(dep)
         if config.compile and config.tp == 1:
             # Serve first: eager steps answer at once, and the compiled graphs are swapped
@@ -312,20 +329,20 @@ class Worker:
     async def _watch_engine(self, engine: Engine) -> None:
         """A replica whose runtime broke for good stops at once, without answering
         its in-flight requests: their offsets stay uncommitted and another replica
-        serves them again (attempt + 1)."""
+        serves them again, as a later attempt."""
         await engine.failed.wait()
         if engine is self.engine:
             self.fatal = engine.fatal
             log.error("replica down: %s", engine.fatal)
             self.metrics.set_ready(False)
-            self._stopping.set()
+            self._decide_stop()
 
     async def _sync_adapters(self, dep: ModelDeployment) -> None:
         """Adapters added or removed while serving: no reload needed."""
         if self._reload.is_set():
             return
         if await self.loaded.sync_adapters(dep) and self.ingest is not None:
-            self.ingest.adapters = frozenset(self.adapters.names)
+            self.ingest.adapters = frozenset(self.loaded.adapters.names)
 
     def _apply_placement(self, dep: ModelDeployment) -> None:
         if self.settings.pool in dep.placement.compute_pools:

@@ -202,6 +202,22 @@ async def test_losing_a_partition_leader_under_load_loses_and_repeats_nothing(
         assert len(after) == AFTER
         assert not task.done() and worker.fatal is None, worker.fatal
         assert await _leader(settings, topic, 0) != victim
+
+        # A worker started while the broker is still down starts and serves beside the
+        # first (one exited at start, asking the dead node for offsets).
+        second = Worker(settings, WorkerOptions(model=MODEL, instance_id="broker-loss-1"))
+        second_task = asyncio.create_task(second.run())
+        try:
+            async with asyncio.timeout(120):
+                while not second.metrics.ready:
+                    assert not second_task.done(), second.fatal or second_task.exception()
+                    await asyncio.sleep(0.1)
+            assert len(await _while_serving(worker, task, asyncio.gather(
+                *(one(REQUESTS + AFTER + i) for i in range(AFTER))), 90)) == AFTER
+            assert not second_task.done() and second.fatal is None, second.fatal
+        finally:
+            second.stop()
+            await asyncio.wait({second_task}, timeout=60)
         left = await asyncio.to_thread(kafka_broker.status, cfg)
         assert [n["up"] for n in left["nodes"]] == [n != victim for n in (1, 2, 3)], left
 
@@ -210,7 +226,7 @@ async def test_losing_a_partition_leader_under_load_loses_and_repeats_nothing(
         assert all(len(p["replicas"]) == 3 for p in offsets), offsets
         assert offsets_config["min.insync.replicas"] == "2"
 
-        expected = {f"bl-{i}" for i in range(-1, REQUESTS + AFTER)}
+        expected = {f"bl-{i}" for i in range(-1, REQUESTS + 2 * AFTER)}
         terminal = await _terminal_events(settings, settings.topic("results"))
         counts = collections.Counter(request_id for request_id, _ in terminal)
         assert set(counts) == expected, sorted(expected ^ set(counts))

@@ -18,7 +18,7 @@ from gpu_runtime import Runtime, StepOutput, StepPlan
 from gpu_runtime.tiny import make_tiny_model
 from sluice.errors import RequestError
 from tests.conftest import free_port
-from tests.integration.pipeline_helpers import drop_schema, settings_env
+from tests.integration.pipeline_helpers import drop_schema, register_tiny, settings_env
 from worker.worker import Worker, WorkerOptions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -47,11 +47,7 @@ class FaultyRuntime(Runtime):
 
 
 async def test_a_request_that_breaks_the_step_fails_alone(settings, tmp_path) -> None:
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir))
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"))
     worker = Worker(settings, WorkerOptions(model="tiny", instance_id="faulty-0"),
                     runtime_factory=lambda path, cfg: FaultyRuntime(path, cfg))
     task: asyncio.Task[None] | None = None
@@ -111,6 +107,37 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+async def test_a_stuck_shutdown_still_ends_the_process_in_time(settings, tmp_path) -> None:
+    """A worker told to stop whose shutdown hangs (here its runtime never finishes
+    closing) exits all the same once its watchdog's deadline passes, naming the step it
+    was stuck in: a stopped worker must never look alive to its supervisor."""
+    deadline_s = 3.0
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"))
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.stuck_worker", "tiny", str(deadline_s)],
+            env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        done = await asyncio.wait_for(client.complete(
+            model="tiny", api_key=key, prompt="hello", max_tokens=2), 120)
+        assert done.finish_reason in ("stop", "length")
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 60)
+        took = time.monotonic() - stopped
+        text = log.read_text()
+        assert code == 0, text[-3000:]
+        assert "stuck in: closing the model runtime" in text
+        assert deadline_s <= took < deadline_s + 20, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await client.aclose()
+        await drop_schema(settings)
+
+
 async def test_database_outage_delays_but_never_skips_the_check(endpoints, unique_name,
                                                                   tmp_path) -> None:
     from infra import postgres
@@ -119,11 +146,7 @@ async def test_database_outage_delays_but_never_skips_the_check(endpoints, uniqu
     url = str(postgres.up(cfg)["url"])
     settings = Settings(kafka_bootstrap=endpoints.kafka_bootstrap, database_url=url,
                         db_schema=unique_name, topic_prefix=unique_name, request_partitions=2)
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir))
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"))
     client.close()
     worker = _worker(settings, tmp_path / "worker.log")
     try:
@@ -162,11 +185,7 @@ async def test_broker_restart_under_load_loses_nothing(endpoints, unique_name,
     bootstrap = str((await asyncio.to_thread(kafka_broker.up, cfg))["bootstrap"])
     settings = Settings(kafka_bootstrap=bootstrap, database_url=endpoints.database_url,
                         db_schema=unique_name, topic_prefix=unique_name, request_partitions=2)
-    model_dir = make_tiny_model(tmp_path / "tiny")
-    client = sluice.Client(settings)
-    client.models.register(model="tiny", path=str(model_dir))
-    key = client.keys.create(tenant="acme")
-    client.keys.grant(key, model="tiny")
+    client, key = register_tiny(settings, make_tiny_model(tmp_path / "tiny"))
     worker = _worker(settings, tmp_path / "worker.log")
 
     async def one(i: int) -> str:

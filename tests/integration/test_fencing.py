@@ -41,7 +41,13 @@ async def test_a_taken_over_partition_fences_its_old_owner(settings) -> None:
         await old.open([tp])
         await (await old.port(tp).send(replies, orjson.dumps({"by": "old", "n": 1}), b"k"))
         await new.open([tp])  # the new owner takes the partition over
-        await committer(old, "old").commit()  # the zombie wakes and commits
+        zombie = committer(old, "old")
+        # The zombie wakes and commits, from two tasks at once as a worker does (its
+        # commit loop and the committer's own): the one that finds the partition fenced
+        # reports it; the other, and any later commit, must not take the same fencing
+        # for a failure of the worker (it stopped whole workers: exit code 3).
+        await asyncio.gather(zombie.commit(), zombie.commit())
+        await zombie.commit()
         assert [(who, t) for who, t, _ in lost] == [("old", tp)]
         assert "taken over by another worker" in lost[0][2]
         await (await new.port(tp).send(replies, orjson.dumps({"by": "new", "n": 2}), b"k"))

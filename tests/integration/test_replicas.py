@@ -82,3 +82,39 @@ async def test_the_same_replica_twice_is_refused_and_nothing_is_answered_twice(
     finally:
         await client.aclose()
         await drop_schema(settings)
+
+
+async def test_a_lock_whose_session_the_server_ended_is_taken_again(settings) -> None:
+    """The server ends the lock's session (as a restart does): the holder neither fails
+    nor stops — its next check finds the session unusable, whatever error the dead
+    connection gives, and takes the lock again on a new one."""
+    import asyncpg
+
+    from worker.identity import CHECK_EVERY_S, ReplicaLock
+
+    lock = ReplicaLock(settings.database_dsn(), settings.db_schema, "group-t", 10)
+    assert await lock.take("pool-host-0") is None
+    holding = asyncio.create_task(lock.hold())
+    admin = await asyncpg.connect(settings.database_dsn())
+    try:
+        ended = await admin.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = $1", lock.session_name)
+        assert ended == 1
+        async with asyncio.timeout(30):
+            while True:
+                await asyncio.sleep(CHECK_EVERY_S)
+                assert not holding.done(), holding.exception()
+                back = await admin.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                    lock.session_name)
+                if back == 1:
+                    break
+        rival = ReplicaLock(settings.database_dsn(), settings.db_schema, "group-t", 10)
+        holder = await rival.take("pool-host-0")
+        assert holder is not None and lock.session_name.removeprefix(
+            "sluice-worker ") in str(holder)
+    finally:
+        holding.cancel()
+        await admin.close()
+        await lock.release()
