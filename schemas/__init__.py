@@ -1,7 +1,8 @@
 """Wire formats: the only place message shapes live (CONTRACT.md, "Messages").
 
 `decode(Model, data)` validates any bytes or raises `SchemaError`;
-`encode(message)` gives canonical orjson bytes.
+`encode(message)` gives canonical orjson bytes. `Outcome` / `outcome_of` state how a
+reader turns one request's reply events into its outcome (`schemas.outcome`).
 """
 
 from schemas.codec import MAX_MESSAGE_BYTES, FieldProblem, SchemaError, decode, encode, validate
@@ -20,6 +21,7 @@ from schemas.events import (
     TopLogprob,
     Usage,
 )
+from schemas.outcome import Outcome, outcome_of
 from schemas.records import DeadLetterRecord, TimeoutRecord
 from schemas.requests import (
     CancelRequest,
@@ -49,6 +51,7 @@ __all__ = [
     "InferenceRequest",
     "ModelDeployment",
     "NamedToolChoice",
+    "Outcome",
     "Placement",
     "ReplyEvent",
     "SchemaError",
@@ -64,5 +67,6 @@ __all__ = [
     "decode",
     "encode",
     "is_cancel",
+    "outcome_of",
     "validate",
 ]

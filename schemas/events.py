@@ -16,8 +16,12 @@ from schemas.requests import ToolCall, WithOptionalFields
 
 _ATTEMPT = (
     "Which serving of the request this event belongs to: 0 first, one more each time the "
-    "request is served again after a worker failure. Readers drop events of a lower attempt "
-    "than the highest they have seen; each attempt ends with its own terminal event."
+    "request is served again after a worker failure; each attempt ends with its own "
+    "terminal event. Readers drop token events of a lower attempt than the highest they "
+    "have seen. The request's outcome: a done or error of any attempt (the highest "
+    "attempt's among several), never replaced by a timeout; a timeout only while no done "
+    "or error has been seen (a re-served request may time out after an earlier attempt "
+    "answered it)."
 )
 
 
@@ -166,6 +170,15 @@ class ErrorEvent(_Event):
         "numbers and the limit)."))
 
 
+# What a timeout reports, in its event and in its `<prefix>.timeouts` record alike.
+WaitedMs = Annotated[float, Field(ge=0, allow_inf_nan=False, description=(
+    "Milliseconds from the broker's timestamp of the request record until it was "
+    "timed out."))]
+AppliedMaxTtftMs = Annotated[int, Field(ge=1, description=(
+    "The deadline that applied, in milliseconds: the request's max_ttft_ms, capped by "
+    "the model's."))]
+
+
 class TimeoutEvent(_Event):
     """The request got no first token within its max_ttft_ms (or was predicted to miss
     it): its terminal event, on the reply topic, keyed by request id. No tokens follow;
@@ -173,12 +186,8 @@ class TimeoutEvent(_Event):
 
     type: Literal["timeout"] = Field(default="timeout", description='Always "timeout".')
     attempt: int = Field(default=0, ge=0, description=_ATTEMPT)
-    waited_ms: float = Field(ge=0, allow_inf_nan=False, description=(
-        "Milliseconds from the broker's timestamp of the request record until it was "
-        "timed out."))
-    max_ttft_ms: int = Field(ge=1, description=(
-        "The deadline that applied, in milliseconds: the request's max_ttft_ms, capped by "
-        "the model's."))
+    waited_ms: WaitedMs
+    max_ttft_ms: AppliedMaxTtftMs
 
 
 ReplyEvent = Annotated[

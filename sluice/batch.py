@@ -3,7 +3,9 @@
 Each input line is `{"custom_id": ..., "body": {<request fields>}}`; each output
 line `{"custom_id": ..., "response": <done event> | null, "error": <error or
 timeout event> | null}` (`SluiceFormat`; `gateway.openai_batch.OpenAIFormat` reads
-and writes OpenAI Batch API lines instead, through the same job). Output lines
+and writes OpenAI Batch API lines instead, through the same job). A line holds the
+request's outcome by `schemas.Outcome`: an answer of any attempt, never a timeout of
+a re-served attempt that came after it. Output lines
 are appended and flushed one by one, so a job killed midway loses nothing it
 wrote. A re-run skips every custom_id already answered in OUT and retries those
 whose line is an error or a timeout (their old lines are removed first, so every
@@ -22,24 +24,24 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from schemas import DoneEvent, ErrorCode, ErrorEvent, TimeoutEvent
+from schemas import DoneEvent, ErrorCode, ErrorEvent, Outcome, ReplyEvent
+from schemas.outcome import Terminal
 from sluice.client import Client
 from sluice.errors import RequestTimeoutError
 
 BULK_MAX_TTFT_MS = 24 * 3600 * 1000
 
 T = TypeVar("T")
-Terminal = DoneEvent | ErrorEvent | TimeoutEvent
-# Sends one request's fields (request id and bulk deadline added) and returns its terminal
-# event; RequestTimeoutError when none comes in time, InvalidRequestError (a ValueError)
-# when the fields are not a valid request.
+# Sends one request's fields (request id and bulk deadline added) and returns its outcome
+# (a terminal event, by `schemas.Outcome`); RequestTimeoutError when none comes in time,
+# InvalidRequestError (a ValueError) when the fields are not a valid request.
 Send = Callable[[dict[str, Any]], Awaitable[Terminal]]
 
 
@@ -437,12 +439,19 @@ async def run_batch(client: Client, in_path: Path, out_path: Path, *, model: str
 
 
 async def terminal_event(client: Client, model: str, api_key: str | None,
-                         fields: dict[str, Any], timeout_s: float | None
-                         ) -> DoneEvent | ErrorEvent | TimeoutEvent:
-    """Send one request (not streamed) and return its terminal event; RequestTimeoutError
-    when none comes within the client's deadline."""
-    async for event in client.stream(model=model, api_key=api_key, stream=False,
-                                     timeout=timeout_s, **fields):
-        if isinstance(event, DoneEvent | ErrorEvent | TimeoutEvent):
-            return event
-    raise RuntimeError("reply stream ended without a terminal event")
+                         fields: dict[str, Any], timeout_s: float | None) -> Terminal:
+    """Send one request (not streamed) and return its outcome; RequestTimeoutError when
+    none comes within the client's deadline."""
+    return await outcome_of_stream(client.stream(model=model, api_key=api_key, stream=False,
+                                                 timeout=timeout_s, **fields))
+
+
+async def outcome_of_stream(events: AsyncIterator[ReplyEvent]) -> Terminal:
+    """The request's outcome by `schemas.Outcome`'s rule (an answer of any attempt beats
+    a timeout of a re-served one), its stream read to the end."""
+    outcome = Outcome()
+    async for event in events:
+        outcome.add(event)
+    if outcome.event is None:
+        raise RuntimeError("reply stream ended without a terminal event")
+    return outcome.event

@@ -8,7 +8,10 @@ model's request topic and reads the reply topic for that request's events.
 
 Every data-plane call has a deadline (`timeout=`, default
 SLUICE_CLIENT__REQUEST_TIMEOUT_SECS): no terminal event by then raises
-`RequestTimeoutError`. A model without a request topic raises
+`RequestTimeoutError`, unless an earlier attempt already answered while a
+newer one still runs: the call then ends with that answer (by
+`schemas.Outcome`, an answer of any attempt is the request's outcome, and a
+re-served attempt's `timeout` never replaces it). A model without a request topic raises
 `UnknownModelError` before anything is sent; a request that does not validate
 raises `InvalidRequestError`. A call that ends without a terminal event —
 the stream closed early, its task cancelled, its deadline passed — sends a
@@ -42,6 +45,7 @@ from schemas import (
     DoneEvent,
     ErrorEvent,
     InferenceRequest,
+    Outcome,
     ReplyEvent,
     TimeoutEvent,
     encode,
@@ -263,10 +267,12 @@ class Client:
     async def stream(self, *, model: str, api_key: str | None = None,
                      request_id: str | None = None, timeout: float | None = None,
                      **fields: Any) -> AsyncIterator[ReplyEvent]:
-        """Send one request and yield its events: tokens, then one terminal event.
+        """Send one request and yield its events: tokens, then one terminal event, the
+        request's outcome over all its attempts (`schemas.Outcome`).
 
         `timeout` (seconds; default SLUICE_CLIENT__REQUEST_TIMEOUT_SECS) bounds the
-        whole call: without a terminal event by then, RequestTimeoutError."""
+        whole call: without a terminal event by then, RequestTimeoutError (or the answer
+        of a superseded attempt, when one came)."""
         limit = self.settings.client.request_timeout_secs if timeout is None else timeout
         deadline = time.monotonic() + limit
         key = api_key or self.api_key
@@ -296,7 +302,8 @@ class Client:
             # has started the request, none will come (see `sluice.placements`).
             started_by = (None if max_ttft_ms is None
                           else sent_at + max_ttft_ms / 1000 + GRACE_S)
-            events = hide_attempts(sub)
+            outcome = Outcome()
+            events = hide_attempts(sub, outcome)
             while True:
                 until = deadline if started_by is None else min(deadline, started_by)
                 # A wait that times out leaves the next event's future running (cancelling
@@ -305,6 +312,12 @@ class Client:
                     waiting = asyncio.ensure_future(anext(events))
                 await asyncio.wait({waiting}, timeout=max(0.0, until - time.monotonic()))
                 if not waiting.done():
+                    if until == deadline and outcome.answer is not None:
+                        # An earlier attempt answered; the newer one is late. No cancel:
+                        # its `done` (cancelled) would outrank this answer for other readers.
+                        ended = True
+                        yield outcome.answer
+                        return
                     if until == deadline:
                         raise RequestTimeoutError.no_terminal_event(
                             request.request_id, model, limit)
@@ -366,7 +379,8 @@ class Client:
 
     async def complete(self, *, model: str, **fields: Any) -> DoneEvent:
         """Send one request and return its `done` event; raises on `error` or `timeout`
-        (and, like `stream`, after `timeout` seconds without an answer)."""
+        (and, like `stream`, after `timeout` seconds without an answer). A `timeout` of a
+        re-served attempt never hides an answer an earlier attempt gave (see `stream`)."""
         fields.setdefault("stream", False)
         async for event in self.stream(model=model, **fields):
             if isinstance(event, DoneEvent):

@@ -6,7 +6,8 @@ are never touched), `read_committed` — and each is sent again, with the
 replayer's own API key, to another model (`as_model`) or adapter, so a new
 adapter can be tried on real traffic. Each output line pairs the original with
 the new answer and, when the original reply topic is read too, with the
-original answer:
+original answer (each answer is its request's outcome by `schemas.Outcome`: a
+`done` or `error` of any attempt, never a re-served attempt's later `timeout`):
 
     {"request_id": <original id>, "source": {"topic", "partition", "offset", "timestamp"},
      "replay_request_id": ..., "model": ..., "adapter": ...,

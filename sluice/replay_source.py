@@ -23,8 +23,10 @@ from common.topics import partitions_of
 from schemas import (
     MAX_MESSAGE_BYTES,
     REPLY_EVENT_ADAPTER,
+    TERMINAL_TYPES,
     DoneEvent,
     InferenceRequest,
+    Outcome,
     SchemaError,
     is_cancel,
     validate,
@@ -228,8 +230,9 @@ def parse_request(value: bytes | None) -> InferenceRequest | str:
 
 async def read_originals(settings: Settings, topic: str, model: str,
                          since_ms: int) -> dict[str, DoneEvent]:
-    """request_id -> the `done` event of model `model` on reply topic `topic`, of replies
-    written from `since_ms` up to the end at this moment (the latest attempt's)."""
+    """request_id -> the original answer of each request of model `model` on reply topic
+    `topic`, of replies written from `since_ms` up to the end at this moment: the
+    request's outcome by `schemas.Outcome`, where that is a `done` event."""
     reader = RangeReader(settings, topic)
     try:
         if not await reader.start():
@@ -237,7 +240,7 @@ async def read_originals(settings: Settings, topic: str, model: str,
                                 "client's principal may not DESCRIBE it (Kafka ACLs)")
         ends = await reader.end_offsets()
         starts = await reader.offsets_at(since_ms, ends)
-        originals: dict[str, DoneEvent] = {}
+        outcomes: dict[str, Outcome] = {}
         async for record in reader.read({tp: (starts[tp], ends[tp]) for tp in ends}):
             if isinstance(record, Unreadable) or record.value is None:
                 continue
@@ -245,10 +248,9 @@ async def read_originals(settings: Settings, topic: str, model: str,
                 event = REPLY_EVENT_ADAPTER.validate_json(record.value, strict=True)
             except ValueError:
                 continue  # not a reply event: other producers may share a reply topic
-            if isinstance(event, DoneEvent) and event.model == model:
-                earlier = originals.get(event.request_id)
-                if earlier is None or event.attempt >= earlier.attempt:
-                    originals[event.request_id] = event
-        return originals
+            if event.type in TERMINAL_TYPES:  # token events change no outcome
+                outcomes.setdefault(event.request_id, Outcome()).add(event)
+        return {request_id: outcome.event for request_id, outcome in outcomes.items()
+                if isinstance(outcome.event, DoneEvent) and outcome.event.model == model}
     finally:
         await reader.stop()

@@ -3,11 +3,13 @@
 The reader is assigned every partition of the reply topic and starts at the
 end offsets it resolved *before* any request is sent, so no event of a
 request sent afterwards can be missed. It reads `read_committed`, so events a
-transactional writer aborted are never seen. Attempts are hidden here: events
-of a superseded attempt are dropped, and a retried attempt's tokens and text
-are passed on only past what the earlier attempt already delivered (for
+transactional writer aborted are never seen. Attempts are hidden here: token
+events of a superseded attempt are dropped, and a retried attempt's tokens and
+text are passed on only past what the earlier attempt already delivered (for
 greedy or seeded requests the retried tokens are identical, so the stream
-reads as one).
+reads as one). The one terminal event passed on is the request's outcome by
+`schemas.Outcome`'s rule, applied to every event read so far: since the reader
+started before the request was sent, nothing earlier of it can be missing.
 
 If the reader's consumer fails for good (the topic may not be read, say),
 every waiting request gets the error instead of waiting forever.
@@ -26,7 +28,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from common.safe_fetch import SafeFetcher
 from common.settings import Settings
 from common.topics import partitions_of
-from schemas import REPLY_EVENT_ADAPTER, TERMINAL_TYPES, ReplyEvent, TokenEvent
+from schemas import REPLY_EVENT_ADAPTER, TERMINAL_TYPES, Outcome, ReplyEvent, TokenEvent
 from sluice.errors import NotFoundError, SluiceError
 
 log = logging.getLogger(__name__)
@@ -120,13 +122,18 @@ class ReplyReader:
             sub.queue.put_nowait(event)
 
 
-async def hide_attempts(sub: _Subscription) -> AsyncIterator[ReplyEvent]:
-    """Events of one request as if it had run once; ends after the terminal event.
+async def hide_attempts(sub: _Subscription, outcome: Outcome) -> AsyncIterator[ReplyEvent]:
+    """Events of one request as if it had run once; ends after its terminal event.
+
+    Every event goes into `outcome`, which the caller may read at any moment (its
+    deadline, say). The stream ends at a terminal event of the highest attempt seen,
+    passing on the outcome: that event, unless it is a timeout and an earlier attempt
+    answered (then that answer). A terminal event of a superseded attempt does not end
+    it: the newer attempt is still running and ends with its own.
 
     Counts tokens and characters delivered over all attempts, so a retried
     attempt continues where the stream stood; a token-less event (the last of
     a stream's text) passes when it carries new text."""
-    attempt = -1
     delivered_tokens = delivered_chars = 0  # passed on so far, over all attempts
     in_tokens = in_chars = 0  # seen in the current attempt
     next_seq = 0
@@ -135,10 +142,11 @@ async def hide_attempts(sub: _Subscription) -> AsyncIterator[ReplyEvent]:
         if isinstance(item, BaseException):
             raise item
         event = item
-        if event.attempt < attempt:
-            continue
-        if event.attempt > attempt:
-            attempt, in_tokens, in_chars, next_seq = event.attempt, 0, 0, 0
+        newer = event.attempt > outcome.attempt
+        if not outcome.add(event):
+            continue  # a superseded attempt's: its tokens are dropped, its end remembered
+        if newer:
+            in_tokens, in_chars, next_seq = 0, 0, 0
         if isinstance(event, TokenEvent):
             if event.seq < next_seq:
                 continue  # a duplicate (producer retry)
@@ -157,5 +165,6 @@ async def hide_attempts(sub: _Subscription) -> AsyncIterator[ReplyEvent]:
             delivered_chars = max(delivered_chars, in_chars)
             yield event
         elif event.type in TERMINAL_TYPES:
-            yield event
+            assert outcome.event is not None  # it holds this event, or an answer beating it
+            yield outcome.event
             return

@@ -12,7 +12,7 @@ from gpu_runtime.tiny import build_tokenizer
 from results.detokenize import IncrementalDecoder
 from results.inflight import InFlight
 from results.writer import ResultsOptions, ResultWriter
-from schemas import DoneEvent, InferenceRequest, Timing, TokenEvent, Usage
+from schemas import DoneEvent, InferenceRequest, Outcome, Timing, TokenEvent, Usage
 from sluice.replies import _Subscription, hide_attempts
 from tests.unit.fake_producer import FakeProducer
 
@@ -96,7 +96,7 @@ async def test_hidden_attempts_deliver_text_and_tokens_once() -> None:
                   timing=Timing(queue_ms=0, ttft_ms=1, total_ms=2), model="m"),
     ]:
         sub.queue.put_nowait(event)
-    seen = [e async for e in hide_attempts(sub)]
+    seen = [e async for e in hide_attempts(sub, Outcome())]
     streamed = [e for e in seen if isinstance(e, TokenEvent)]
     assert [i for e in streamed for i in e.token_ids] == [1, 2, 3, 4, 5]
     assert "".join(e.text for e in streamed) == "Hello\u2615" == seen[-1].text
@@ -107,5 +107,5 @@ async def test_a_failed_reader_ends_the_wait_with_its_error() -> None:
     sub.queue.put_nowait(RuntimeError("reply topic unreadable"))
     with pytest.raises(RuntimeError, match="unreadable"):
         async with asyncio.timeout(5):
-            async for _ in hide_attempts(sub):
+            async for _ in hide_attempts(sub, Outcome()):
                 pass
