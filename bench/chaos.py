@@ -12,6 +12,12 @@ the load runs, faults strike at seeded random times, one at a time:
 - `broker_kill`: SIGKILL the broker leading a request partition, restart it later;
 - `postgres_restart`: stop PostgreSQL, start it again.
 
+Networked (`ChaosConfig.networked`, `--networked`), every broker, PostgreSQL and each
+worker runs on a host of its own — a network namespace the run makes and removes
+(`infra.netns`) — and the network's faults join those (`chaos_network`):
+`worker_cut_from_brokers`, `worker_cut_from_database`, `leader_isolated_from_brokers`,
+`lossy_links`. It needs root, `ip` and `nft`.
+
 Then every record of the reply topic is read (`read_committed`, and
 `read_uncommitted` for what aborted transactions left) and checked:
 
@@ -29,7 +35,8 @@ violations, latencies in calm and fault windows, the faults with their times);
 `tests/integration/test_chaos.py` runs a short seed in the suite.
 
 Its parts: `chaos_cluster` (the cluster and the workers), `chaos_nemesis` (the faults),
-`chaos_checks` (the offset watch and the reply topic's invariants), `chaos_report`.
+`chaos_network` (the network's faults), `chaos_checks` (the offset watch and the reply
+topic's invariants), `chaos_report`.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import time
 from pathlib import Path
 
 from bench.chaos_checks import check_replies, sample_offsets
-from bench.chaos_cluster import Workers, cluster_config
+from bench.chaos_cluster import Cluster, Workers, cluster_config, host_names, worker_host
 from bench.chaos_nemesis import fault_schedule, strike_faults
 from bench.chaos_report import (
     MODEL,
@@ -57,7 +64,7 @@ from bench.chaos_report import (
 from bench.harness import percentile
 from common.settings import Settings
 from infra import local
-from infra.common import InfraConfig
+from infra.netns import Network
 from sluice.client import Client
 
 
@@ -65,7 +72,23 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path, model_dir: Path,
                     say: Say = lambda _line: None) -> ChaosReport:
     began = time.monotonic()
     report = ChaosReport(cfg)
-    infra = cluster_config(workdir / "infra")
+    net: Network | None = None
+    if cfg.networked:
+        net = await asyncio.to_thread(Network.create, host_names(cfg.workers))
+        say(f"a network {net.plan.subnet} ({net.plan.prefix}): this namespace at "
+            f"{net.gateway}, " + ", ".join(f"{h.name} {h.address}" for h in net.plan.hosts))
+    try:
+        await _on_cluster(cfg, workdir, model_dir, net, report, say)
+    finally:
+        if net is not None:
+            await asyncio.to_thread(net.teardown)
+    report.wall_s = time.monotonic() - began
+    return report
+
+
+async def _on_cluster(cfg: ChaosConfig, workdir: Path, model_dir: Path, net: Network | None,
+                      report: ChaosReport, say: Say) -> None:
+    infra = cluster_config(workdir / "infra", net)
     workers: Workers | None = None
     try:
         say("starting a three-node Kafka cluster and a PostgreSQL ...")
@@ -82,7 +105,9 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path, model_dir: Path,
             key = await asyncio.to_thread(_register, client, model_dir, cfg.delivery)
             logs = workdir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            workers = Workers(env, cfg.workers, logs)
+            prefixes = [] if net is None else [net.host(worker_host(r)).launch_prefix
+                                               for r in range(cfg.workers)]
+            workers = Workers(env, cfg.workers, logs, prefixes)
             for replica in range(cfg.workers):
                 await workers.wait_serving(replica)
             say(f"{cfg.workers} workers serve; {cfg.requests} requests at "
@@ -93,21 +118,20 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path, model_dir: Path,
             level = pool_log.level
             pool_log.setLevel(logging.ERROR)
             try:
-                await _load_with_faults(cfg, settings, client, key, workers, infra, report,
-                                        say)
+                cluster = Cluster(cfg, random.Random(cfg.seed), settings, workers, infra, net)
+                await _load_with_faults(cluster, client, key, report, say)
             finally:
                 pool_log.setLevel(level)
         finally:
             await client.aclose()
-        workers.stop_all()
+        await asyncio.to_thread(workers.stop_all)
+        report.worker_exits, report.worker_stops = workers.exits, workers.stop_lines()
         workers = None
         await check_replies(settings, report)
     finally:
         if workers is not None:
             workers.stop_all()
         await asyncio.to_thread(local.purge, infra)
-    report.wall_s = time.monotonic() - began
-    return report
 
 
 def _register(client: Client, model_dir: Path, delivery: str) -> str:
@@ -118,17 +142,15 @@ def _register(client: Client, model_dir: Path, delivery: str) -> str:
     return key
 
 
-async def _load_with_faults(cfg: ChaosConfig, settings: Settings, client: Client, key: str,
-                            workers: Workers, infra: InfraConfig, report: ChaosReport,
+async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: ChaosReport,
                             say: Say) -> None:
-    rng = random.Random(cfg.seed)
+    cfg, rng = cluster.cfg, cluster.rng
     duration = cfg.requests / cfg.rate_per_s
     schedule = fault_schedule(cfg, rng, duration)
     t0 = time.monotonic()
     stop_sampling = asyncio.Event()
-    sampler = asyncio.create_task(sample_offsets(settings, report, stop_sampling))
-    faults = asyncio.create_task(strike_faults(cfg, rng, schedule, t0, settings, workers,
-                                               infra, report, say))
+    sampler = asyncio.create_task(sample_offsets(cluster.settings, report, stop_sampling))
+    faults = asyncio.create_task(strike_faults(cluster, schedule, t0, report, say))
     tasks: list[asyncio.Task[None]] = []
     cancels: list[asyncio.Task[None]] = []
     for i in range(cfg.requests):

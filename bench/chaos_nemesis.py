@@ -1,5 +1,6 @@
 """The chaos run's nemesis: when the faults strike (seeded, spread over the load, one at a
-time) and what each kind does to the cluster."""
+time) and what each kind does to the cluster. The processes' faults are here; the
+network's (a networked run's) are in `chaos_network`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import os
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
-from bench.chaos_cluster import Workers
-from bench.chaos_report import MODEL, ChaosConfig, ChaosReport, Fault, Say
-from common.settings import Settings
+from bench.chaos_cluster import Cluster, request_leaders
+from bench.chaos_network import NETWORK_STRIKES
+from bench.chaos_report import ChaosConfig, ChaosReport, Fault, Say
 from infra import kafka_broker, postgres
-from infra.common import InfraConfig
+
+Strike = Callable[[Cluster, Fault], Awaitable[None]]
 
 
 def fault_schedule(cfg: ChaosConfig, rng: random.Random,
@@ -26,63 +29,65 @@ def fault_schedule(cfg: ChaosConfig, rng: random.Random,
     return list(zip(starts, kinds, strict=True))
 
 
-async def strike_faults(cfg: ChaosConfig, rng: random.Random,
-                        schedule: list[tuple[float, str]], t0: float, settings: Settings,
-                        workers: Workers, infra: InfraConfig, report: ChaosReport,
-                        say: Say) -> None:
+async def strike_faults(cluster: Cluster, schedule: list[tuple[float, str]], t0: float,
+                        report: ChaosReport, say: Say) -> None:
     free_at = 0.0
     for start, kind in schedule:
         at = max(start, free_at)
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         fault = Fault(kind, round(time.monotonic() - t0, 1), "")
         report.faults.append(fault)
-        if kind == "worker_kill":
-            replica = rng.randrange(cfg.workers)
-            fault.target = f"worker {replica}"
-            workers.procs[replica].send_signal(signal.SIGKILL)
-            await asyncio.to_thread(workers.procs[replica].wait)
-            await asyncio.sleep(rng.uniform(*cfg.restart_after_s))
-            workers.start(replica)
-            await workers.wait_serving(replica)
-        elif kind == "worker_pause":
-            replica = rng.randrange(cfg.workers)
-            fault.target = f"worker {replica}"
-            proc = workers.procs[replica]
-            proc.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(rng.uniform(*cfg.pause_s))
-            proc.send_signal(signal.SIGCONT)
-        elif kind == "broker_kill":
-            node, pid = await _a_leader(settings, infra)
-            fault.target = f"broker {node}"
-            os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(rng.uniform(*cfg.broker_down_s))
-            await asyncio.to_thread(kafka_broker.up, infra)
-        elif kind == "postgres_restart":
-            fault.target = "postgresql"
-            await asyncio.to_thread(postgres.down, infra)
-            await asyncio.sleep(rng.uniform(*cfg.postgres_down_s))
-            await asyncio.to_thread(postgres.up, infra)
+        await STRIKES[kind](cluster, fault)
         fault.ended_s = round(time.monotonic() - t0, 1)
         say(f"  fault {len(report.faults)}: {kind} of {fault.target} at {fault.at_s:.0f} s, "
             f"over at {fault.ended_s:.0f} s")
         free_at = fault.ended_s + 5.0  # let the system settle before the next
 
 
-async def _a_leader(settings: Settings, infra: InfraConfig) -> tuple[int, int]:
-    """(node id, pid) of the broker leading a request partition (the first it finds)."""
-    from aiokafka.admin import AIOKafkaAdminClient
+async def _worker_kill(c: Cluster, fault: Fault) -> None:
+    """SIGKILL a worker, restart it (same --replica) a moment later."""
+    replica = c.rng.randrange(c.cfg.workers)
+    fault.target = f"worker {replica}"
+    await asyncio.to_thread(c.workers.kill, replica)
+    await asyncio.sleep(c.rng.uniform(*c.cfg.restart_after_s))
+    c.workers.start(replica)
+    await c.workers.wait_serving(replica)
 
-    admin = AIOKafkaAdminClient(**settings.kafka_options())
-    await admin.start()
-    try:
-        described = (await admin.describe_topics([settings.requests_topic(MODEL)]))[0]
-    finally:
-        await admin.close()
-    leaders = sorted({p["leader"] for p in described["partitions"]})
-    nodes = {n["node_id"]: n["pid"] for n in kafka_broker.status(infra)["nodes"]
+
+async def _worker_pause(c: Cluster, fault: Fault) -> None:
+    """SIGSTOP a worker past its session timeout, then SIGCONT: the zombie."""
+    replica = c.rng.randrange(c.cfg.workers)
+    fault.target = f"worker {replica}"
+    proc = c.workers.procs[replica]
+    proc.send_signal(signal.SIGSTOP)
+    await asyncio.sleep(c.rng.uniform(*c.cfg.pause_s))
+    proc.send_signal(signal.SIGCONT)
+
+
+async def _broker_kill(c: Cluster, fault: Fault) -> None:
+    """SIGKILL the broker leading a request partition (the lowest id that runs), restart
+    it later."""
+    leaders = sorted(await request_leaders(c.settings))
+    nodes = {n["node_id"]: n["pid"] for n in kafka_broker.status(c.infra)["nodes"]
              if n.get("up")}  # type: ignore[union-attr]
-    for leader in leaders:
-        if leader in nodes:
-            return leader, int(nodes[leader])
-    raise RuntimeError(f"no live leader among {leaders}")
+    live = [node for node in leaders if node in nodes]
+    if not live:
+        raise RuntimeError(f"no live leader among {leaders}")
+    fault.target = f"broker {live[0]}"
+    os.kill(int(nodes[live[0]]), signal.SIGKILL)
+    await asyncio.sleep(c.rng.uniform(*c.cfg.broker_down_s))
+    await asyncio.to_thread(kafka_broker.up, c.infra)
 
+
+async def _postgres_restart(c: Cluster, fault: Fault) -> None:
+    fault.target = "postgresql"
+    await asyncio.to_thread(postgres.down, c.infra)
+    await asyncio.sleep(c.rng.uniform(*c.cfg.postgres_down_s))
+    await asyncio.to_thread(postgres.up, c.infra)
+
+
+STRIKES: dict[str, Strike] = {
+    "worker_kill": _worker_kill, "worker_pause": _worker_pause,
+    "broker_kill": _broker_kill, "postgres_restart": _postgres_restart,
+    **NETWORK_STRIKES,
+}

@@ -15,6 +15,14 @@ MODEL = "chaos"
 TERMINAL = {"done", "error", "timeout"}
 SESSION_TIMEOUT_S = 10.0  # the workers' consumer session (ingest.consumer)
 Say = Callable[[str], None]
+PROCESS_KINDS = ("worker_kill", "worker_pause", "broker_kill", "postgres_restart")
+# Faults of the network between hosts: only in a networked run (`bench.chaos_network`).
+NETWORK_KINDS = ("worker_cut_from_brokers", "leader_isolated_from_brokers",
+                 "worker_cut_from_database", "lossy_links")
+# A networked run's kinds, a network's and a process's in turn: the faults are dealt
+# in this order (then shuffled), so that even a short run gets both.
+ALL_KINDS = tuple(kind for pair in zip(NETWORK_KINDS, PROCESS_KINDS, strict=True)
+                  for kind in pair)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +35,9 @@ class ChaosConfig:
     partitions: int = 6
     faults: int = 12
     delivery: str = "exactly_once"
-    kinds: tuple[str, ...] = ("worker_kill", "worker_pause", "broker_kill", "postgres_restart")
+    kinds: tuple[str, ...] = PROCESS_KINDS
+    # Brokers, PostgreSQL and each worker on a host (network namespace) of their own.
+    networked: bool = False
     stream_share: float = 0.3
     cancel_share: float = 0.03
     max_tokens: tuple[int, int] = (8, 40)
@@ -35,7 +45,22 @@ class ChaosConfig:
     broker_down_s: tuple[float, float] = (8.0, 15.0)
     postgres_down_s: tuple[float, float] = (2.0, 6.0)
     restart_after_s: tuple[float, float] = (1.0, 3.0)
+    # A worker cut from the brokers past its session timeout: a zombie, as when paused.
+    # The leader isolated from the other brokers as long as a killed broker is down.
+    partition_s: tuple[float, float] = (SESSION_TIMEOUT_S + 4, SESSION_TIMEOUT_S + 10)
+    db_cut_s: tuple[float, float] = (5.0, 15.0)
+    lossy_s: tuple[float, float] = (10.0, 20.0)
+    loss_percent: tuple[int, int] = (5, 15)
+    bandwidth_bytes_per_s: tuple[int, int] = (32_000, 256_000)
     request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - {*PROCESS_KINDS, *NETWORK_KINDS}
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}")
+        if not self.networked and set(self.kinds) & set(NETWORK_KINDS):
+            raise ValueError(f"{sorted(set(self.kinds) & set(NETWORK_KINDS))} need a "
+                             "networked run (networked=True, `--networked`)")
 
 
 @dataclass(slots=True)
@@ -67,6 +92,9 @@ class ChaosReport:
     stale_offset_reads: list[str] = field(default_factory=list)
     num_records: int = 0
     calm_latency_s: list[float] = field(default_factory=list)
+    # Lines of the workers' logs that say they stop, and exits the nemesis did not cause.
+    worker_stops: list[str] = field(default_factory=list)
+    worker_exits: list[str] = field(default_factory=list)
     fault_latency_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -80,7 +108,10 @@ class ChaosReport:
             "terminal_events_per_request": {str(k): v for k, v in
                                             sorted(self.terminal_histogram.items())},
             "violations": len(self.violations), "first_violations": self.violations[:20],
+            "networked": self.config.networked,
+            "faults_by_kind": dict(sorted(Counter(f.kind for f in self.faults).items())),
             "faults": [dataclasses.asdict(f) for f in self.faults],
+            "worker_stops": self.worker_stops, "worker_exits": self.worker_exits,
             "offset_samples": self.offset_samples,
             "stale_offset_reads": self.stale_offset_reads,
             "reply_records": self.num_records,

@@ -34,6 +34,10 @@ def register(app: typer.Typer) -> None:
         faults: Annotated[int, typer.Option("--faults", min=0, help="`chaos`: faults.")] = 12,
         delivery: Annotated[str, typer.Option(
             "--delivery", help="`chaos`: exactly_once or at_least_once.")] = "exactly_once",
+        networked: Annotated[bool, typer.Option(
+            "--networked", help="`chaos`: brokers, PostgreSQL and each worker in a network "
+            "namespace of its own, and network faults (partitions, loss, a bandwidth cap) "
+            "beside the process faults; needs root, `ip` and `nft`.")] = False,
         model: Annotated[str, typer.Option(
             "--model", help="`kafka`, `bulk`, `gateway`: the model served: tiny (default; "
             "its step is so cheap that Kafka's own cost shows) or smollm2 (the bundled "
@@ -52,7 +56,7 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
         console = Console()
         if scenario == "chaos":
-            doc = _chaos(console, seed, requests, faults, delivery)
+            doc = _chaos(console, seed, requests, faults, delivery, networked)
             results = None
         elif scenario == "gpu":
             from bench.gpu import print_gpu, run_gpu
@@ -91,18 +95,25 @@ def register(app: typer.Typer) -> None:
                        "(their errors are in the table and the JSON)")
 
 
-def _chaos(console: object, seed: int, requests: int, faults: int, delivery: str) -> dict:
+def _chaos(console: object, seed: int, requests: int, faults: int, delivery: str,
+           networked: bool) -> dict:
     """A seeded fault run on a cluster of its own (`bench.chaos`), as a document."""
     import asyncio
     import tempfile
 
     from bench.chaos import SESSION_TIMEOUT_S, ChaosConfig, run_chaos
+    from bench.chaos_report import ALL_KINDS, PROCESS_KINDS
     from bench.harness import goal, percentile
     from gpu_runtime.tiny import make_tiny_model
+    from infra.netns import unavailable
 
     if delivery not in ("exactly_once", "at_least_once"):
         raise fail(f"--delivery must be exactly_once or at_least_once, got {delivery!r}", 2)
-    config = ChaosConfig(seed=seed, requests=requests, faults=faults, delivery=delivery)
+    if networked and (reason := unavailable()) is not None:
+        raise fail(f"--networked: no network namespaces here: {reason}", 2)
+    config = ChaosConfig(seed=seed, requests=requests, faults=faults, delivery=delivery,
+                         networked=networked,
+                         kinds=ALL_KINDS if networked else PROCESS_KINDS)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny")
         report = asyncio.run(run_chaos(config, Path(tmp), model, say=console.print))  # type: ignore[attr-defined]

@@ -9,6 +9,11 @@ real PostgreSQL, started for development, the demo and the tests — and the Hel
   (which answer, status, stop, purge).
 - `postgres.py`: a cluster of its own, run as a non-root user when root. `tls.py`:
   the secure mode's CA and certificates.
+- `netns.py`: hosts in network namespaces on a bridge of their own, and the network
+  faults between them (nftables: cuts, loss, a bandwidth cap) for the fault run.
+- `netns.py`: hosts in network namespaces of their own on one bridge, and the network
+  faults between them (nft: partitions, loss, a bandwidth cap) — where `bench chaos
+  --networked` runs each node (`InfraConfig.kafka_hosts`, `postgres_host`).
 - `helm/`: the chart (workers, gateway, KEDA autoscaling) and its check script.
 
 It imports no other room: the bottom floor, beside `schemas`.

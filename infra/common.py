@@ -28,6 +28,20 @@ NODE_PORT_STRIDE = 100
 MAX_BROKERS = 9
 
 
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHost:
+    """Where a node (a Kafka node, PostgreSQL) runs: the address it listens on and
+    advertises, and the prefix of the command that launches it there. The default is
+    this machine's loopback; `infra.netns` hosts have an address of their own and are
+    entered with `ip netns exec NAME`."""
+
+    address: str = LOOPBACK
+    launch_prefix: tuple[str, ...] = ()
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "sluice"
@@ -51,10 +65,18 @@ class InfraConfig:
     # `--brokers N`: N combined broker+controller nodes; node k (0-based) listens
     # NODE_PORT_STRIDE * k above kafka_port / kafka_controller_port.
     brokers: int = 1
+    # Networked runs (`sluice bench chaos --networked`): each Kafka node, and PostgreSQL,
+    # on a host of its own (plaintext only). Empty / the default: all on 127.0.0.1.
+    kafka_hosts: tuple[NodeHost, ...] = ()
+    postgres_host: NodeHost = NodeHost()
 
     def __post_init__(self) -> None:
         if not 1 <= self.brokers <= MAX_BROKERS:
             raise InfraError(f"--brokers must be between 1 and {MAX_BROKERS}, not {self.brokers}")
+        if self.kafka_hosts and len(self.kafka_hosts) != self.brokers:
+            raise InfraError(f"{len(self.kafka_hosts)} Kafka hosts for {self.brokers} brokers")
+        if self.secure and (self.kafka_hosts or self.postgres_host != NodeHost()):
+            raise InfraError("the secure mode runs on 127.0.0.1 only, not on other hosts")
 
     @classmethod
     def from_env(cls, **overrides: object) -> InfraConfig:
@@ -83,6 +105,10 @@ class InfraConfig:
         return [(self.kafka_port + NODE_PORT_STRIDE * k,
                  self.kafka_controller_port + NODE_PORT_STRIDE * k)
                 for k in range(self.brokers)]
+
+    def kafka_host(self, k: int) -> NodeHost:
+        """Where node k (0-based) runs."""
+        return self.kafka_hosts[k] if self.kafka_hosts else NodeHost()
 
 
 def require_tool(name: str, install_hint: str) -> str:

@@ -180,6 +180,7 @@ def _check_node_count(cfg: InfraConfig) -> None:
 def _java_command(cfg: InfraConfig, node: Node, classpath: str) -> list[str]:
     heap = cfg.kafka_heap or (SINGLE_HEAP if cfg.brokers == 1 else CLUSTER_NODE_HEAP)
     return [
+        *node.host.launch_prefix,
         "java", *heap.split(), "-XX:+UseG1GC", "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={node.files['log4j']}",
         "-cp", classpath, MAIN_CLASS, str(node.files["props"]),
@@ -200,10 +201,10 @@ def up(cfg: InfraConfig, wait_s: float = 90.0) -> dict[str, object]:
         if cfg.secure:
             ports.append(cfg.kafka_tls_port)
         for port in ports:
-            if port_in_use(port):
+            if port_in_use(port, node.host.address):
                 raise InfraError(
-                    f"port {port} on 127.0.0.1 is taken by another process, so the local "
-                    "Kafka broker cannot listen there. Stop that process or pick other ports "
+                    f"port {port} on {node.host.address} is taken by another process, so the "
+                    "local Kafka broker cannot listen there. Stop that process or pick other ports "
                     "with --kafka-port/--kafka-controller-port/--kafka-tls-port (or "
                     "SLUICE_INFRA_KAFKA_PORT, ...)."
                 )
@@ -265,7 +266,8 @@ def _wait_until_ready(cfg: InfraConfig, started: dict[int, subprocess.Popen[byte
         for node_id, proc in started.items():
             if proc.poll() is not None:
                 return node_id
-        if all(port_answers(node.port) for node in nodes(cfg)) and every_node_live(cfg):
+        if all(port_answers(node.port, node.host.address) for node in nodes(cfg)) \
+                and every_node_live(cfg):
             return None
         time.sleep(0.5)
     return 0

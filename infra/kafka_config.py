@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from infra.common import InfraConfig, InfraError, require_tool
+from infra.common import InfraConfig, InfraError, NodeHost, require_tool
 from infra.tls import BROKER_CN, CLIENT_CN, TlsFiles, ensure_tls
 
 POM_PATH = Path(__file__).parent / "kafka" / "pom.xml"
@@ -93,13 +93,15 @@ class Node:
     port: int
     controller_port: int
     files: dict[str, Path]
+    host: NodeHost  # its address, and how it is launched there
 
 
 def nodes(cfg: InfraConfig) -> list[Node]:
     if cfg.brokers == 1:
-        return [Node(1, cfg.kafka_port, cfg.kafka_controller_port, single_broker_files(cfg))]
+        return [Node(1, cfg.kafka_port, cfg.kafka_controller_port, single_broker_files(cfg),
+                     cfg.kafka_host(0))]
     root = cfg.state_dir / CLUSTER_DIR
-    return [Node(k + 1, port, ctrl, node_files(root / f"node-{k + 1}"))
+    return [Node(k + 1, port, ctrl, node_files(root / f"node-{k + 1}"), cfg.kafka_host(k))
             for k, (port, ctrl) in enumerate(cfg.kafka_node_ports())]
 
 
@@ -139,8 +141,10 @@ def remember_cluster(cfg: InfraConfig, cluster_id: str) -> None:
 
 
 def bootstrap(cfg: InfraConfig) -> str:
-    """`127.0.0.1:port`, comma-separated over a cluster's nodes."""
-    return ",".join(f"127.0.0.1:{port}" for port, _ in cfg.kafka_node_ports())
+    """`127.0.0.1:port` (or the node's own address), comma-separated over a cluster's
+    nodes."""
+    return ",".join(f"{cfg.kafka_host(k).address}:{port}"
+                    for k, (port, _) in enumerate(cfg.kafka_node_ports()))
 
 
 def tls_bootstrap(cfg: InfraConfig) -> str:
@@ -201,9 +205,10 @@ def aiokafka_options(cfg: InfraConfig) -> dict[str, Any]:
 def _listener_lines(cfg: InfraConfig, node: Node) -> list[str]:
     port, ctrl, paths = node.port, node.controller_port, node.files
     if not cfg.secure:
+        at = node.host.address
         return [
-            f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctrl}",
-            f"advertised.listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{ctrl}",
+            f"listeners=PLAINTEXT://{at}:{port},CONTROLLER://{at}:{ctrl}",
+            f"advertised.listeners=PLAINTEXT://{at}:{port},CONTROLLER://{at}:{ctrl}",
             "controller.listener.names=CONTROLLER",
             "inter.broker.listener.name=PLAINTEXT",
             "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
@@ -251,7 +256,7 @@ def write_configs(cfg: InfraConfig, node: Node) -> None:
         quorum = [f"controller.quorum.bootstrap.servers=127.0.0.1:{node.controller_port}"]
         defaults: list[str] = []
     else:  # a static quorum of every node: formatted alike, no --standalone
-        voters = ",".join(f"{k + 1}@127.0.0.1:{ctrl}"
+        voters = ",".join(f"{k + 1}@{cfg.kafka_host(k).address}:{ctrl}"
                           for k, (_, ctrl) in enumerate(cfg.kafka_node_ports()))
         quorum = [f"controller.quorum.voters={voters}"]
         defaults = [f"default.replication.factor={replicas}", f"min.insync.replicas={min_isr}"]

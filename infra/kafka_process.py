@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from infra.common import InfraConfig, pid_alive, pid_cmdline, read_pid, stop_pid
+from infra.common import InfraConfig, NodeHost, pid_alive, pid_cmdline, read_pid, stop_pid
 from infra.kafka_config import (
     CLUSTER_DIR,
     aiokafka_options,
@@ -57,7 +57,9 @@ def running_pid(cfg: InfraConfig, secure: bool | None = None) -> int | None:
 def running_config(cfg: InfraConfig) -> InfraConfig:
     """`cfg` in the mode Kafka runs in from this state directory — plaintext, secure,
     or a cluster with its own node count and ports — if it runs; else `cfg`."""
-    singles = [dataclasses.replace(cfg, secure=secure, brokers=1)
+    # A single broker runs on 127.0.0.1: a networked cluster's hosts are not its.
+    singles = [dataclasses.replace(cfg, secure=secure, brokers=1, kafka_hosts=(),
+                                   postgres_host=NodeHost())
                for secure in (cfg.secure, not cfg.secure)]
     cluster = cluster_config(cfg)
     clusters = [cluster] if cluster is not None and cluster.brokers > 1 else []
@@ -168,7 +170,7 @@ def status(cfg: InfraConfig) -> dict[str, object]:
         report["brokers"] = cfg.brokers
         report["nodes"] = [
             {"node_id": node.node_id, "up": node.node_id in live and node.node_id in pids,
-             "bootstrap": f"127.0.0.1:{node.port}", "port": node.port,
+             "bootstrap": f"{node.host.address}:{node.port}", "port": node.port,
              "controller_port": node.controller_port, "pid": pids.get(node.node_id),
              "log": str(node.files["log"])}
             for node in all_nodes

@@ -4,7 +4,10 @@ PostgreSQL refuses to run as root. When we are root, the cluster is owned by
 and runs as the `postgres` system user (created by Debian's package), in a data
 directory outside root's home (which that user cannot enter); otherwise it
 runs as the current user under the state directory. It listens on 127.0.0.1
-only, with password (SCRAM) authentication and a generated password.
+only, with password (SCRAM) authentication and a generated password — or, on a host
+of its own (`InfraConfig.postgres_host`, a network namespace of `infra.netns`), on
+that host's address, for clients on its networks (`samenet`), launched there with the
+host's prefix and switched to its user by `setpriv` (`ip netns exec` needs root).
 
 With `secure` (`sluice infra up --secure`) it accepts only TLS connections
 (`hostssl` rules; the server certificate from `infra.tls`, copied into the
@@ -33,6 +36,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from infra.common import (
+    LOOPBACK,
     InfraConfig,
     InfraError,
     pid_alive,
@@ -106,6 +110,7 @@ def _paths(cfg: InfraConfig) -> dict[str, Path]:
         "tls_cert": root / "server.crt",
         "tls_key": root / "server.key",
         "hba_tls": root / "pg_hba_tls.conf",
+        "hba_net": root / "pg_hba_net.conf",
         "mode": root / "running-mode",
     }
 
@@ -148,7 +153,8 @@ def _password(cfg: InfraConfig) -> str:
 
 def url(cfg: InfraConfig) -> str:
     password = quote(_password(cfg), safe="")
-    base = f"postgresql://{DB_USER}:{password}@127.0.0.1:{cfg.postgres_port}/{DB_NAME}"
+    at = cfg.postgres_host.address
+    base = f"postgresql://{DB_USER}:{password}@{at}:{cfg.postgres_port}/{DB_NAME}"
     if not cfg.secure:
         return base
     ca = quote(str(TlsFiles(cfg.state_dir / "tls").ca_cert), safe="/")
@@ -215,7 +221,8 @@ def running_pid(cfg: InfraConfig) -> int | None:
 
 def _ready(cfg: InfraConfig) -> bool:
     result = subprocess.run(
-        [str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p", str(cfg.postgres_port), "-q"],
+        [str(bin_dir() / "pg_isready"), "-h", cfg.postgres_host.address, "-p",
+         str(cfg.postgres_port), "-q"],
         check=False,
     )
     return result.returncode == 0
@@ -245,9 +252,10 @@ def up(cfg: InfraConfig, wait_s: float = 60.0) -> dict[str, object]:
             return status(cfg)
         # Our own server, but its password is not the one we hold: stop it to set ours.
         stop_pid(pid, signal.SIGINT, 30)
-    if port_in_use(cfg.postgres_port):
+    if port_in_use(cfg.postgres_port, cfg.postgres_host.address):
         raise InfraError(
-            f"port {cfg.postgres_port} on 127.0.0.1 is taken by another process, so the local "
+            f"port {cfg.postgres_port} on {cfg.postgres_host.address} is taken by another "
+            "process, so the local "
             "PostgreSQL cannot listen there. Stop that process or pick another port with "
             "--postgres-port (or SLUICE_INFRA_POSTGRES_PORT)."
         )
@@ -297,24 +305,28 @@ def _start(
 ) -> None:
     cmd = [
         str(bin_dir() / "postgres"), "-D", str(paths["data"]), "-p", str(cfg.postgres_port),
-        "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={paths['root']}",
+        "-c", f"listen_addresses={cfg.postgres_host.address}",
+        "-c", f"unix_socket_directories={paths['root']}",
         "-c", "max_connections=200", "-c", "fsync=on",
     ]
     if cfg.secure:
         cmd += _tls_options(cfg, paths, user)
+    if cfg.postgres_host.address != LOOPBACK:
+        cmd += _network_options(paths, user)
     paths["mode"].write_text(_mode(cfg) + "\n")
+    cmd, as_owner = _launch(cfg, cmd, user)
     with open(paths["log"], "ab") as log:
         if user is not None:
             os.chown(paths["log"], user.pw_uid, user.pw_gid)
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, **_as_owner(user),
+            start_new_session=True, **as_owner,
         )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
-        if port_answers(cfg.postgres_port) and _ready(cfg):
+        if port_answers(cfg.postgres_port, cfg.postgres_host.address) and _ready(cfg):
             return
         time.sleep(0.2)
     exited = proc.poll() is not None
@@ -324,11 +336,35 @@ def _start(
     raise InfraError(f"PostgreSQL {why}. Last lines of {paths['log']}:\n{tail(paths['log'])}")
 
 
+def _network_options(paths: dict[str, Path], user: pwd.struct_passwd | None) -> list[str]:
+    """Host rules for a server on a host of its own: its clients are on its networks."""
+    paths["hba_net"].write_text("local all all scram-sha-256\n"
+                                "host all all 127.0.0.1/32 scram-sha-256\n"
+                                "host all all samenet scram-sha-256\n")
+    if user is not None:
+        os.chown(paths["hba_net"], user.pw_uid, user.pw_gid)
+    return ["-c", f"hba_file={paths['hba_net']}"]
+
+
+def _launch(cfg: InfraConfig, cmd: list[str],
+            user: pwd.struct_passwd | None) -> tuple[list[str], dict[str, object]]:
+    """The command that starts the server where it runs, and Popen's user options. On a
+    host of its own the prefix (`ip netns exec`) runs as root and `setpriv` then takes
+    the server's user: both exec, so the PID is the server's."""
+    prefix = list(cfg.postgres_host.launch_prefix)
+    if not prefix:
+        return cmd, _as_owner(user)
+    if user is not None:
+        prefix += ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+                   "--clear-groups"]
+    return prefix + cmd, {}
+
+
 def _psql(cfg: InfraConfig, sql: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PGPASSWORD": _password(cfg)}
     return subprocess.run(
-        [str(bin_dir() / "psql"), "-h", "127.0.0.1", "-p", str(cfg.postgres_port), "-U", DB_USER,
-         "-d", "postgres", "-tAc", sql],
+        [str(bin_dir() / "psql"), "-h", cfg.postgres_host.address, "-p",
+         str(cfg.postgres_port), "-U", DB_USER, "-d", "postgres", "-tAc", sql],
         capture_output=True, text=True, env=env, check=False,
     )
 

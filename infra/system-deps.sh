@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Makes sure the machine has what sluice's local infrastructure runs on:
 # Java 17+ (the Kafka broker), Maven (fetches the Kafka jars), PostgreSQL's
-# server, and Python's venv module. Installs missing ones with apt-get when
-# run as root on Debian/Ubuntu; otherwise says what to install.
+# server, Python's venv module, and iproute2 and nftables (the networked fault
+# run). Installs missing ones with apt-get when run as root on Debian/Ubuntu;
+# otherwise says what to install.
 # Then fetches the AsyncAPI 3.0.0 JSON Schema (npm's @asyncapi/specs, pinned) into
 # the cache, for the test that validates `sluice schemas export --asyncapi`.
 set -euo pipefail
@@ -14,6 +15,13 @@ compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || command -v postgre
   || missing+=(postgresql)
 python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
+# The networked fault run (`sluice bench chaos --networked`, the suite's chaos seeds)
+# needs root anyway: network namespaces and veths (iproute2), partitions and loss
+# (nftables). Installed as root; without them that run says why and runs without.
+if [ "$(id -u)" = "0" ]; then
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  command -v nft >/dev/null 2>&1 || missing+=(nftables)
+fi
 
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
