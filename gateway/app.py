@@ -9,7 +9,10 @@ made at start) and go out as OpenAI's JSON or server-sent event chunks.
 the workers check it, as for any request. The Kafka key is the `x-session-id`
 header, else a digest of the model and the conversation's opening, so every
 turn of a conversation reaches the worker holding its KV cache. A client that
-disconnects cancels its request (a cancel record: the worker stops it).
+disconnects cancels its request (a cancel record: the worker stops it). A
+choice's answer or failure is the one terminal event of its SDK stream, the
+request's outcome by `schemas.Outcome` (a re-served attempt's `timeout` never
+hides an earlier attempt's answer), so the gateway answers as every reader does.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from common.errors import KafkaAccessError
 from common.settings import Settings
 from common.topics import TopicAdmin, TopicSpec
 from gateway import openai_api as oai
+from gateway import openai_errors as errs
 from gateway.openai_stream import ToolCallStream
 from gateway.readiness import registered_at, serving_workers
 from gateway.responses import ResponsesRoutes
@@ -203,6 +207,7 @@ class Gateway(ResponsesRoutes):
             body = oai.parse_body(body_type, await request.body())
             body.unserved(max_n=MAX_N)
             fields = body.fields()
+            asked = errs.asked_of(kind, fields)
             model, adapter = oai.split_model(body.model)
             session = oai.session_key(body.model, fields, request.headers.get("x-session-id"))
             request_id, n = f"oai-{uuid.uuid4().hex}", body.n
@@ -219,7 +224,7 @@ class Gateway(ResponsesRoutes):
                 streams.append(events)
                 return events
 
-            first = await self._unless_disconnected(request, self._first(open_choice(0)))
+            first = await self._unless_disconnected(request, self._first(open_choice(0), asked))
             if first is None:  # the client left; the stream's close sent the cancel
                 return Response(status_code=499)
             firsts = [first]
@@ -228,14 +233,14 @@ class Gateway(ResponsesRoutes):
                 # then in the KV cache, and the same session key takes them to the same
                 # worker, so they share its prompt blocks instead of computing them again.
                 rest = await self._unless_disconnected(request, self._firsts(
-                    [open_choice(i) for i in range(1, n)]))
+                    [open_choice(i) for i in range(1, n)], asked))
                 if rest is None:
                     return Response(status_code=499)
                 firsts += rest
             created = oai.now()
             if not body.stream:
                 dones = await self._unless_disconnected(request, asyncio.gather(
-                    *(self._done(f, s) for f, s in zip(firsts, streams, strict=True))))
+                    *(self._done(f, s, asked) for f, s in zip(firsts, streams, strict=True))))
                 await _close_all(streams)
                 if dones is None:
                     return Response(status_code=499)
@@ -254,19 +259,22 @@ class Gateway(ResponsesRoutes):
                          tools),
             media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    async def _firsts(self, streams: list[AsyncIterator[ReplyEvent]]) -> list[ReplyEvent]:
-        results = await asyncio.gather(*(self._first(s) for s in streams),
+    async def _firsts(self, streams: list[AsyncIterator[ReplyEvent]],
+                      asked: errs.Asked) -> list[ReplyEvent]:
+        results = await asyncio.gather(*(self._first(s, asked) for s in streams),
                                        return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return list(results)  # type: ignore[arg-type]
 
-    async def _done(self, first: ReplyEvent, events: AsyncIterator[ReplyEvent]) -> DoneEvent:
-        """The choice's `done` event (a failure raised as an OpenAI error)."""
+    async def _done(self, first: ReplyEvent, events: AsyncIterator[ReplyEvent],
+                    asked: errs.Asked = errs.CHAT_ASKED) -> DoneEvent:
+        """The choice's `done` event (a failure raised as an OpenAI error, in the terms of
+        what the request `asked`)."""
         event: ReplyEvent = first
         while not isinstance(event, DoneEvent):
-            self._raise_if_failed(event)
+            self._raise_if_failed(event, asked)
             try:
                 event = await anext(events)
             except StopAsyncIteration:
@@ -276,8 +284,10 @@ class Gateway(ResponsesRoutes):
                 raise oai.OpenAIError(504, str(exc), "timeout_error", "timeout") from None
         return event
 
-    async def _first(self, events: AsyncIterator[ReplyEvent]) -> ReplyEvent:
-        """The first event, or the request's failure as an OpenAI error."""
+    async def _first(self, events: AsyncIterator[ReplyEvent],
+                     asked: errs.Asked = errs.CHAT_ASKED) -> ReplyEvent:
+        """The first event, or the request's failure as an OpenAI error (in the terms of
+        what the request `asked`: a context overflow names its prompt's field)."""
         try:
             event = await anext(events)
         except UnknownModelError as exc:
@@ -291,13 +301,13 @@ class Gateway(ResponsesRoutes):
         except StopAsyncIteration:
             raise oai.OpenAIError(500, "the reply stream ended without an event",
                                   "server_error") from None
-        self._raise_if_failed(event)
+        self._raise_if_failed(event, asked)
         return event
 
     @staticmethod
-    def _raise_if_failed(event: ReplyEvent) -> None:
+    def _raise_if_failed(event: ReplyEvent, asked: errs.Asked = errs.CHAT_ASKED) -> None:
         if isinstance(event, ErrorEvent):
-            raise oai.error_of(event.code.value, event.message)
+            raise errs.error_of(event.code.value, event.message, asked)
         if isinstance(event, TimeoutEvent):
             raise oai.OpenAIError(504, f"no first token within max_ttft_ms "
                                   f"({event.max_ttft_ms} ms; waited {event.waited_ms:.0f} ms)",

@@ -3,7 +3,10 @@
 Requests: `ChatCompletionBody` / `CompletionBody` (what OpenAI clients send) to
 the fields of an `InferenceRequest`; model ids are `MODEL` or `MODEL:ADAPTER`.
 Answers: a `done` event to a `chat.completion` / `text_completion` object, token
-events to stream chunks, sluice's error codes to OpenAI's status and error body.
+events to stream chunks, sluice's error codes to OpenAI's status and error body
+(`gateway.openai_errors`). A JSON format
+beside tools is combined as OpenAI combines them (`with_answer_format`): a forced
+call decides.
 Fields sluice does not serve are refused by name (400), never ignored in
 silence: a request asking for something must not get an answer that looks like
 it honoured it. Tools and tool choice, penalties, logit_bias (and vLLM's
@@ -20,7 +23,7 @@ import orjson
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import DoneEvent, ErrorCode, TokenLogprob, TopLogprob
+from schemas import DoneEvent, TokenLogprob, TopLogprob
 
 _B = TypeVar("_B", bound=BaseModel)
 
@@ -53,27 +56,6 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
-
-
-# sluice error code -> (HTTP status, OpenAI error type)
-_STATUS: dict[str, tuple[int, str]] = {
-    ErrorCode.UNAUTHORIZED.value: (401, "authentication_error"),
-    ErrorCode.UNKNOWN_MODEL.value: (404, "not_found_error"),
-    ErrorCode.UNKNOWN_ADAPTER.value: (404, "not_found_error"),
-    ErrorCode.INVALID_REQUEST.value: (400, "invalid_request_error"),
-    ErrorCode.CONTEXT_TOO_LONG.value: (400, "invalid_request_error"),
-    ErrorCode.OVERLOADED.value: (429, "rate_limit_error"),
-    ErrorCode.INTERNAL.value: (500, "server_error"),
-}
-
-
-def error_of(code: str, message: str) -> OpenAIError:
-    """A sluice error event as OpenAI's error (context_too_long is OpenAI's
-    context_length_exceeded, which clients look for to trim and retry)."""
-    status, type_ = _STATUS.get(code, (500, "server_error"))
-    if code == ErrorCode.CONTEXT_TOO_LONG.value:
-        return OpenAIError(status, message, type_, "context_length_exceeded", "messages")
-    return OpenAIError(status, message, type_, code)
 
 
 class StreamOptions(BaseModel):
@@ -139,12 +121,18 @@ class _Body(BaseModel):
                 fields[name] = value
         if self.logit_bias:
             fields["logit_bias"] = self.logit_bias
-        metadata = dict(self.metadata or {})
-        if self.user is not None:
-            metadata["user"] = self.user
-        if metadata:
-            fields["metadata"] = metadata
-        return fields
+        return add_metadata(fields, self.metadata, self.user)
+
+
+def add_metadata(fields: dict[str, Any], metadata: dict[str, Any] | None,
+                 user: str | None) -> dict[str, Any]:
+    """`fields` with the request's metadata, OpenAI's `user` kept among it."""
+    merged = dict(metadata or {})
+    if user is not None:
+        merged["user"] = user
+    if merged:
+        fields["metadata"] = merged
+    return fields
 
 
 class ChatCompletionBody(_Body):
@@ -172,8 +160,6 @@ class ChatCompletionBody(_Body):
                               param="top_logprobs")
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            fields["response_format"] = self.response_format  # enforced by the worker
         if self.tools:  # checked by the wire schema (sluice's own is OpenAI's)
             fields["tools"] = self.tools
             if self.tool_choice is not None:
@@ -182,7 +168,38 @@ class ChatCompletionBody(_Body):
                 fields["parallel_tool_calls"] = self.parallel_tool_calls
         elif self.tool_choice not in (None, "none"):
             raise OpenAIError(400, "`tool_choice` needs `tools`", param="tool_choice")
+        wanted = self.response_format
+        return with_answer_format(fields, wanted if (wanted or {}).get("type") != "text"
+                                  else None, "response_format")
+
+
+def with_answer_format(fields: dict[str, Any], answer_format: dict[str, Any] | None,
+                       param: str) -> dict[str, Any]:
+    """`fields` (their tools and tool_choice already in) with the JSON format asked of the
+    answer (`param`: the field that asked), combined as OpenAI combines the two:
+
+    - no tools, or tool_choice `none`: the format is the answer's (the worker enforces it);
+    - tool_choice `required` or a named function: the forced call is the answer, its
+      arguments fitting the function's parameters, so the format is left out. OpenAI
+      accepts this pair and the call decides (instructor's `Mode.RESPONSES_TOOLS` sends
+      a named tool_choice and a `text.format` of the same schema);
+    - `auto` (the default with tools): OpenAI lets the model choose between a call and an
+      answer in the format. A worker constrains an answer by one grammar, a call's or the
+      format's, so sluice refuses the pair (400 naming `param`) rather than honour one of
+      the two in silence.
+    """
+    if answer_format is None:
         return fields
+    choice = fields.get("tool_choice", "auto") if fields.get("tools") else "none"
+    if choice == "none":
+        fields["response_format"] = answer_format
+    elif choice == "auto":
+        raise OpenAIError(400, f"`{param}` with `tools` and tool_choice auto is not supported "
+                          "by sluice (the answer would be a call or the format, the model's "
+                          "choice): send tool_choice required or a named function (the call "
+                          "is the answer), none (the format is), or only one of the two",
+                          param=param)
+    return fields
 
 
 class CompletionBody(_Body):

@@ -26,6 +26,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from gateway import openai_api as oai
+from gateway import openai_errors as errs
 from schemas import DoneEvent, ErrorEvent, InferenceRequest, TimeoutEvent
 from sluice.batch import LineResult, Send, Terminal, read_lines
 from sluice.errors import InvalidRequestError
@@ -135,7 +136,8 @@ def output_line(custom_id: str, prepared: Prepared, event: Terminal) -> dict[str
         return _line(custom_id, {"status_code": 200, "request_id": event.request_id,
                                  "body": build(event, prepared.model_id, oai.now())}, None)
     if isinstance(event, ErrorEvent):
-        error = oai.error_of(event.code.value, event.message)
+        error = errs.error_of(event.code.value, event.message,
+                              errs.asked_of(prepared.kind, prepared.fields))
         return _line(custom_id, {"status_code": error.status, "request_id": event.request_id,
                                  "body": error.body()}, None)
     assert isinstance(event, TimeoutEvent)

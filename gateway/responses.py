@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway import openai_api as oai
+from gateway import openai_errors as errs
 from gateway import responses_api as rapi
 from gateway.openai_stream import ToolCallStream
 from gateway.responses_store import EXPIRE_EVERY_S, ResponseStore
@@ -28,6 +29,7 @@ from schemas import DoneEvent, ReplyEvent, TokenEvent
 from sluice.errors import RequestTimeoutError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ResponsesRoutes:
@@ -81,6 +83,7 @@ class ResponsesRoutes:
                                           code="previous_response_not_found")
                 earlier, session = stored.conversation, session or stored.session_key
             fields = body.fields(earlier)
+            asked = errs.asked_of("responses", fields)
             model, adapter = oai.split_model(body.model)
             session = oai.session_key(body.model, fields, session)
             response_id = rapi.new_id("resp")
@@ -93,16 +96,16 @@ class ResponsesRoutes:
                            body, fields["messages"], session)
             if body.stream:
                 return StreamingResponse(self._response_events(request, response_id, body,
-                                                               created, events, keep),
+                                                               created, events, keep, asked),
                                          media_type="text/event-stream",
                                          headers={"cache-control": "no-cache"})
             try:
                 first = await self._unless_disconnected(  # type: ignore[attr-defined]
-                    request, self._first(events))  # type: ignore[attr-defined]
+                    request, self._first(events, asked))  # type: ignore[attr-defined]
                 if first is None:
                     return Response(status_code=499)
                 done = await self._unless_disconnected(  # type: ignore[attr-defined]
-                    request, self._done(first, events))  # type: ignore[attr-defined]
+                    request, self._done(first, events, asked))  # type: ignore[attr-defined]
             finally:
                 await events.aclose()
             if done is None:
@@ -115,21 +118,21 @@ class ResponsesRoutes:
 
     async def _response_events(self, request: Request, response_id: str,
                                body: rapi.ResponsesBody, created: int,
-                               events: AsyncIterator[ReplyEvent],
-                               keep: _Keeper) -> AsyncIterator[bytes]:
+                               events: AsyncIterator[ReplyEvent], keep: _Keeper,
+                               asked: errs.Asked) -> AsyncIterator[bytes]:
         out = rapi.ResponseEvents(response_id, body, created)
         calls = ToolCallStream() if body.tools and body.tool_choice != "none" else None
         try:
             for chunk in out.started():
                 yield chunk
-            event = await self._first(events)  # type: ignore[attr-defined]
+            event = await self._first(events, asked)  # type: ignore[attr-defined]
             while not isinstance(event, DoneEvent):
                 if isinstance(event, TokenEvent):
                     text = calls.push(event.text) if calls else event.text
                     for chunk in out.text_delta(text):
                         yield chunk
                 else:
-                    self._raise_if_failed(event)  # type: ignore[attr-defined]
+                    self._raise_if_failed(event, asked)  # type: ignore[attr-defined]
                 event = await anext(events)
             for chunk in out.finished(event):
                 yield chunk
@@ -146,27 +149,33 @@ class ResponsesRoutes:
                 await events.aclose()  # type: ignore[attr-defined]
 
     async def get_response(self, request: Request) -> Response:
-        try:
-            _key, tenant = await self._tenant(request)
-            assert self.store is not None
-            stored = await self.store.get(request.path_params["response_id"], tenant)
-        except oai.OpenAIError as exc:
-            return oai_json(exc.body(), exc.status)
-        if stored is None:
-            return _not_found(request.path_params["response_id"])
-        return oai_json(stored.response)
+        response_id = request.path_params["response_id"]
+        stored = await self._with_tenant(request, lambda store, tenant: store.get(response_id,
+                                                                                 tenant))
+        if isinstance(stored, Response):
+            return stored
+        return oai_json(stored.response) if stored is not None else _not_found(response_id)
 
     async def delete_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        deleted = await self._with_tenant(request, lambda store, tenant: store.delete(
+            response_id, tenant))
+        if isinstance(deleted, Response):
+            return deleted
+        if not deleted:
+            return _not_found(response_id)
+        return oai_json({"id": response_id, "object": "response", "deleted": True})
+
+    async def _with_tenant(self, request: Request,
+                           act: Callable[[ResponseStore, str], Awaitable[T]]) -> T | Response:
+        """`act` on the store for the caller's tenant, or the error response of a caller
+        without one."""
         try:
             _key, tenant = await self._tenant(request)
             assert self.store is not None
-            deleted = await self.store.delete(request.path_params["response_id"], tenant)
+            return await act(self.store, tenant)
         except oai.OpenAIError as exc:
             return oai_json(exc.body(), exc.status)
-        if not deleted:
-            return _not_found(request.path_params["response_id"])
-        return oai_json({"id": request.path_params["response_id"], "object": "response",
-                         "deleted": True})
 
 
 class _Keeper:

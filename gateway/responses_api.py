@@ -5,8 +5,10 @@ A request's `instructions` and `input` — a string, or items: messages (text pa
 (their results) — become the `messages` of an `InferenceRequest`, after the stored
 conversation of `previous_response_id` when there is one; function `tools`,
 `tool_choice`, `text.format` (JSON) and the sampling fields map as the chat route's
-do. The answer becomes a `response` object (output items: a message with
-`output_text`, or `function_call` items) or, streamed, its typed server-sent events.
+do (a forced call decides over `text.format`, as on OpenAI). The answer becomes a
+`response` object (output items: a message with `output_text`, or `function_call`
+items, and the `max_output_tokens` it ran under, sluice's default when the request
+named none) or, streamed, its typed server-sent events.
 Fields sluice does not serve are refused by name.
 """
 
@@ -20,8 +22,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.openai_api import OpenAIError
-from schemas import DoneEvent
+from gateway.openai_api import OpenAIError, add_metadata, with_answer_format
+from schemas import DoneEvent, InferenceRequest
 
 # Fields accepted with only their "not asked for" values.
 _ONLY: dict[str, tuple[Any, ...]] = {
@@ -92,15 +94,9 @@ class ResponsesBody(BaseModel):
                 fields["parallel_tool_calls"] = self.parallel_tool_calls
         elif self.tool_choice not in (None, "none", "auto"):
             raise OpenAIError(400, "`tool_choice` needs `tools`", param="tool_choice")
-        response_format = _response_format((self.text or {}).get("format"))
-        if response_format is not None:
-            fields["response_format"] = response_format
-        metadata = dict(self.metadata or {})
-        if self.user is not None:
-            metadata["user"] = self.user
-        if metadata:
-            fields["metadata"] = metadata
-        return fields
+        with_answer_format(fields, _response_format((self.text or {}).get("format")),
+                           "text.format")
+        return add_metadata(fields, self.metadata, self.user)
 
 
 def input_messages(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -242,6 +238,19 @@ def conversation_after(messages: list[dict[str, Any]], done: DoneEvent) -> list[
     return [*kept, answer]
 
 
+def applied_max_output_tokens(body: ResponsesBody, done: DoneEvent | None) -> int:
+    """The output limit the answer ran under: the request's own, else sluice's default
+    (`InferenceRequest.max_tokens`, which the gateway leaves to the request's schema),
+    which a worker lowers to the room a long prompt leaves in the context; an answer
+    that stopped there (finish `length`, fewer tokens than the default) shows that room."""
+    if body.max_output_tokens is not None:
+        return body.max_output_tokens
+    default: int = InferenceRequest.model_fields["max_tokens"].default
+    if done is not None and done.finish_reason == "length":
+        return min(default, done.usage.completion_tokens)
+    return default
+
+
 def response_object(response_id: str, body: ResponsesBody, created: int,
                     done: DoneEvent | None, status: str = "completed",
                     with_message: bool = False) -> dict[str, Any]:
@@ -260,7 +269,8 @@ def response_object(response_id: str, body: ResponsesBody, created: int,
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status,
         "background": False, "error": None, "incomplete_details": incomplete,
-        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "instructions": body.instructions,
+        "max_output_tokens": applied_max_output_tokens(body, done),
         "model": body.model, "output": output, "parallel_tool_calls":
         body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
         "previous_response_id": body.previous_response_id, "reasoning":

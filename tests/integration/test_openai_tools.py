@@ -6,14 +6,17 @@ One gateway and one worker serve the module. Forced calls (a named function,
 answers in text or a valid call; a streamed call's deltas add up to the same call; a
 `tool` message round trip is answered; the Responses API answers plain, streamed
 (typed events), as JSON fitting a schema, with a function tool and its output, and
-continues `previous_response_id` on the worker holding its KV cache; stop strings are
-cut from texts and deltas alike.
+continues `previous_response_id` on the worker holding its KV cache, and reports the
+default output limit it ran under; stop strings are cut from texts and deltas alike. A
+context overflow reaches the openai client, langchain-openai and litellm as each one's
+context-window error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,9 +28,7 @@ from pydantic import BaseModel
 
 import sluice
 from common.settings import Settings
-from gateway.app import serve
-from tests.conftest import free_port
-from tests.integration.pipeline_helpers import drop_schema, worker_process
+from tests.integration.pipeline_helpers import drop_schema, served_gateway, worker_process
 from tests.real_model import smollm2_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -63,21 +64,12 @@ async def served(endpoints, tmp_path_factory) -> AsyncIterator[Served]:
     key = client.keys.create(tenant="acme")
     client.keys.grant(key, model="smol")
     client.close()
-    port = free_port()
-    ready = asyncio.Event()
-    gateway = asyncio.create_task(serve(settings, "127.0.0.1", port, "tools", ready=ready))
-    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
-                             max_retries=0, timeout=180)
     try:
-        await asyncio.wait_for(ready.wait(), 60)
-        with worker_process(settings, "smol", tmp_path_factory.mktemp("tools")) as worker:
-            worker.wait_for_log("serving smol as", 120)
-            yield Served(api, port, key)
+        async with served_gateway(settings, key, "tools", timeout_s=180) as (api, port):
+            with worker_process(settings, "smol", tmp_path_factory.mktemp("tools")) as worker:
+                worker.wait_for_log("serving smol as", 120)
+                yield Served(api, port, key)
     finally:
-        await api.close()
-        gateway.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await gateway
         await drop_schema(settings)
 
 
@@ -262,6 +254,98 @@ async def test_instructor_in_its_default_mode(served: Served) -> None:
         model="smol", response_model=Person, max_retries=0,
         messages=[{"role": "user", "content": "Alice is 30 years old."}])
     assert isinstance(person, Person) and (person.name, person.age) == ("Alice", 30)
+
+
+async def test_instructor_in_its_responses_tools_mode(served: Served) -> None:
+    """`Mode.RESPONSES_TOOLS` sends a named tool_choice and a `text.format` of the same
+    schema: the forced call decides, as on OpenAI."""
+    import instructor
+
+    client = instructor.from_openai(openai.AsyncOpenAI(
+        base_url=served.api.base_url, api_key=served.key, max_retries=0),
+        mode=instructor.Mode.RESPONSES_TOOLS)
+    person = await client.chat.completions.create(
+        model="smol", response_model=Person, max_retries=0,
+        messages=[{"role": "user", "content": "Alice is 30 years old."}])
+    assert isinstance(person, Person) and (person.name, person.age) == ("Alice", 30)
+    # A format and tools with tool_choice auto (a call or the format, the model's choice)
+    # is refused by name: one grammar constrains an answer.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await served.api.responses.create(
+            model="smol", input="Alice is 30 years old.", max_output_tokens=40,
+            tools=[{"type": "function", "name": "Person",
+                    "parameters": Person.model_json_schema()}],
+            text={"format": {"type": "json_schema", "name": "Person",
+                             "schema": Person.model_json_schema()}})
+    assert refused.value.param == "text.format"
+
+
+async def test_a_context_overflow_is_openais_on_every_route(served: Served) -> None:
+    """OpenAI's words, code, type, and `param` naming the field each route was sent."""
+    api = served.api
+    fits = await api.chat.completions.create(model="smol", messages=ASK,
+                                             max_completion_tokens=1)
+    prompt = fits.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as chat:
+        await api.chat.completions.create(model="smol", messages=ASK, max_tokens=100_000)
+    assert (chat.value.code, chat.value.param, chat.value.type) == (
+        "context_length_exceeded", "messages", "invalid_request_error")
+    assert chat.value.body["message"] == (
+        f"This model's maximum context length is 8192 tokens. However, you requested "
+        f"{prompt + 100_000} tokens ({prompt} in the messages, 100000 in the completion). "
+        "Please reduce the length of the messages or completion.")
+    with pytest.raises(openai.BadRequestError) as legacy:
+        await api.completions.create(model="smol", prompt="Once upon a time",
+                                     max_tokens=100_000)
+    assert (legacy.value.code, legacy.value.param) == ("context_length_exceeded", "prompt")
+    assert legacy.value.body["message"].startswith(
+        "This model's maximum context length is 8192 tokens, however you requested ")
+    with pytest.raises(openai.BadRequestError) as responses:
+        await api.responses.create(model="smol", input="hi", max_output_tokens=100_000)
+    assert (responses.value.code, responses.value.param) == ("context_length_exceeded",
+                                                             "input")
+    with pytest.raises(openai.BadRequestError) as alone:  # the prompt alone is too long
+        await api.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "word " * 9000}])
+    assert alone.value.code == "context_length_exceeded" and re.fullmatch(
+        r"This model's maximum context length is 8192 tokens\. However, your messages "
+        r"resulted in \d+ tokens\. Please reduce the length of the messages\.",
+        alone.value.body["message"])
+
+
+async def test_a_context_overflow_is_langchains_and_litellms_context_error(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+    from langchain_openai.chat_models.base import OpenAIContextOverflowError
+
+    base = {"model": "smol", "base_url": str(served.api.base_url), "api_key": served.key,
+            "max_retries": 0, "max_tokens": 100_000}
+    for llm in (ChatOpenAI(**base), ChatOpenAI(**base, use_responses_api=True)):
+        with pytest.raises(OpenAIContextOverflowError) as caught:
+            await llm.ainvoke("What is the weather in Paris?")
+        assert isinstance(caught.value, ContextOverflowError)
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download at import
+    import litellm
+
+    for ask in ({"messages": ASK, "max_tokens": 100_000},
+                {"messages": [{"role": "user", "content": "word " * 9000}]}):
+        with pytest.raises(litellm.ContextWindowExceededError):
+            await asyncio.to_thread(litellm.completion, model="openai/smol",
+                                    api_base=str(served.api.base_url), api_key=served.key,
+                                    num_retries=0, **ask)
+
+
+async def test_a_responses_answer_cut_at_the_default_limit_reports_it(served: Served) -> None:
+    """No `max_output_tokens`: the answer runs under sluice's default, 256, and says so."""
+    answer = await served.api.responses.create(
+        model="smol", temperature=0,
+        input="Write a very long story about a dragon, at least 1000 words.")
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == \
+        "max_output_tokens"
+    assert answer.usage.output_tokens == 256 and answer.max_output_tokens == 256
+    assert (await served.api.responses.retrieve(answer.id)).max_output_tokens == 256
 
 
 async def test_pydantic_ai_with_a_structured_output_and_a_tool(served: Served) -> None:
