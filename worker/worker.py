@@ -7,18 +7,7 @@ commit loop commits, per partition, the lowest unfinished offset
 (`worker.requests`). One asyncio loop (uvloop) holds the consumer, the
 producer, the database pool and the engine loop; the model step runs in the
 engine's thread. This file is the assembly, in the order a worker starts and
-stops; each part lives beside it:
-
-    intake.py        prompts, the router and the consumer of the request topic
-    identity.py      the replica's group member id, held by a database lock
-    loaded_model.py  runtime + engine + adapters of one deployment; reloads
-    delivery.py      at-least-once, or exactly-once with per-partition transactions
-    handover.py      partitions revoked, or the group left
-    requests.py      the router (verdicts in) and the event pump (events out)
-    deployments.py   the control topic's deployment snapshots
-    supervision.py   every background task watched; shutdown steps
-    gauges.py        queue, KV cache and lag gauges; the topic access check
-    heartbeat.py, metrics.py, membership.py, served_adapters.py, options.py
+stops; each part it assembles lives beside it (the room's map: `worker/__init__.py`).
 
 The deployment watcher follows `sluice.control`: placement changes apply at
 once (max_ttft, pools), adapter changes between steps, compute-config changes
@@ -26,8 +15,9 @@ drain, reload and resume. Every background task is watched: one that fails
 (or a loop that returns) is logged with its traceback, `/readyz` turns false
 and the worker stops at once with `fatal` set (exit code 3), so its
 supervisor restarts it; requests it held stay uncommitted and are served
-again. Waits (draining, leaving the group, a revocation, shutting down) end on
-events — nothing held, the pump idle — each bounded by a timeout.
+again; a decided stop ends the process within STOP_DEADLINE_S. Waits (draining,
+leaving the group, a revocation, shutting down) end on events — nothing held,
+the pump idle — each bounded by a timeout.
 """
 
 from __future__ import annotations
