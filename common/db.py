@@ -99,6 +99,14 @@ MIGRATIONS: list[str] = [
 
 _LOCK_ID = 0x51CE
 
+# What a call to a database that is away, restarting or unreachable raises. A session
+# the server ended (a restart) leaves its connection refusing every query with
+# InternalClientError ("cannot switch to state ...; another operation is in
+# progress") until it is closed: routine too, never a reason to stop a worker.
+DATABASE_AWAY: tuple[type[BaseException], ...] = (
+    OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+    asyncpg.InternalClientError)
+
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
+from common.db import DATABASE_AWAY
 from common.timeouts import within
 from schemas import keys as api_keys
 
@@ -135,7 +136,7 @@ class PermissionChecker:
                     grants = await conn.fetch(
                         "SELECT model, adapter FROM grants WHERE key_id = $1", key_id
                     )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except DATABASE_AWAY as exc:
             raise PermissionsUnavailable(f"permission database unavailable: {exc}") from exc
         if row is None or not api_keys.verify(row["salt"], row["secret_hash"], secret):
             return _Entry(None, False, frozenset(), now + self.ttl_s)

@@ -20,6 +20,7 @@ import socket
 
 import asyncpg
 
+from common.db import DATABASE_AWAY
 from common.timeouts import within
 
 log = logging.getLogger(__name__)
@@ -77,5 +78,5 @@ class Heartbeat:
             async with self._pool.acquire() as conn:
                 await record_worker(conn, **self._row, status=self.status,  # type: ignore[arg-type]
                                     device_memory_bytes=self.device_memory_bytes)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except DATABASE_AWAY as exc:
             log.warning("heartbeat to PostgreSQL failed: %s", exc)

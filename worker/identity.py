@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from common.db import DATABASE_AWAY
 from common.errors import SluiceError
 from common.timeouts import within
 from worker.options import WorkerOptions
@@ -129,9 +130,7 @@ class ReplicaLock:
                             self.instance_id)
             try:
                 await self._retake()
-            except ReplicaTakenError:
-                raise
-            except Exception as exc:  # the database is still away: try again next check
+            except DATABASE_AWAY as exc:  # still away: try again at the next check
                 log.debug("taking replica %s's lock again failed: %s: %s", self.instance_id,
                           type(exc).__name__, exc)
                 continue
@@ -155,11 +154,7 @@ class ReplicaLock:
             return False
         try:
             await within(5, conn.fetchval("SELECT 1"))
-        except Exception:
-            # Any failure means the session is gone or unusable: a server shutting down
-            # sends its error on the idle connection, which then refuses every query
-            # ("cannot switch to state ...; another operation is in progress",
-            # InternalClientError) until it is closed.
+        except DATABASE_AWAY:  # the session is gone, or unusable until closed
             await _close(conn)
             return False
         return True

@@ -118,3 +118,44 @@ async def test_a_lock_whose_session_the_server_ended_is_taken_again(settings) ->
         holding.cancel()
         await admin.close()
         await lock.release()
+
+
+async def test_the_heartbeat_outlives_its_sessions_ending(settings) -> None:
+    """The server ends every session of the worker's pool (as a restart does) while the
+    heartbeat runs: it logs and beats again once the pool has new ones; its task never
+    fails (in the fault run a pool connection left unusable by the restart raised
+    InternalClientError through it and stopped the worker)."""
+    import asyncpg
+
+    from common.db import create_pool
+    from worker.heartbeat import Heartbeat
+
+    await (await create_pool(settings)).close()  # the schema, migrated
+    pool = await asyncpg.create_pool(settings.database_dsn(), min_size=1, max_size=2,
+                                     server_settings={"search_path": settings.db_schema,
+                                                      "application_name": "beat-test"})
+    heartbeat = Heartbeat(pool, instance_id="beat-0", model="tiny", pool_name="default",
+                          device="cpu", every_s=0.2)
+    beating = asyncio.create_task(heartbeat.run())
+    admin = await asyncpg.connect(settings.database_dsn())
+    try:
+        # Sessions ended at every moment of a beat, so some end mid-query (that one
+        # left its connection refusing the pool's reset with InternalClientError).
+        for i in range(200):
+            heartbeat.set_status(f"warming {i % 2}")  # a beat now, not in 0.2 s
+            await asyncio.sleep(i % 7 * 0.001)
+            await admin.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'beat-test'")
+            assert not beating.done(), beating.exception()
+        heartbeat.set_status("serving")
+        async with asyncio.timeout(30):
+            while await admin.fetchval(
+                    f'SELECT status FROM "{settings.db_schema}".workers '
+                    "WHERE instance_id = 'beat-0'") != "serving":
+                await asyncio.sleep(0.2)
+    finally:
+        beating.cancel()
+        await admin.close()
+        await pool.close()
+        await drop_schema(settings)
