@@ -101,6 +101,9 @@ class TransactionalProducerPort:
         self.in_transaction = False
         self.sent: list[asyncio.Future[Any]] = []  # the records of the open transaction
         self.failure: BaseException | None = None
+        # Let go of (handed over, or lost with the group membership): never committed
+        # from here again, whatever commit was under way.
+        self.released = False
         # Set when the open transaction holds a record (shared by a worker's ports).
         self.has_records = has_records or asyncio.Event()
         self.num_records = 0  # in the open transaction
@@ -221,6 +224,7 @@ class PartitionTransactions:
         their producers (a rebalance listener hands it to a task: it must not wait)."""
         ports = [self._ports.pop(tp) for tp in tps if tp in self._ports]
         for port in ports:
+            port.released = True
             port.fail_waiting(PartitionNotHeld("the partition was handed over"))
         return _stop_all(ports)
 
@@ -283,9 +287,9 @@ class TransactionCommitter:
         async with port.gate:
             if self._closed:
                 return
-            if isinstance(port.failure, FENCED):
-                # Reported lost already (`on_lost`), by a commit that held the gate
-                # first: nothing of it is committed from here, and the rest goes on.
+            if port.released or isinstance(port.failure, FENCED):
+                # Let go of, or reported lost already (`on_lost`) by a commit that held
+                # the gate first: nothing of it is committed from here; the rest go on.
                 return
             if port.failure is not None:
                 raise TransactionsFailed(f"transactions failed: {port.failure}")
@@ -315,6 +319,12 @@ class TransactionCommitter:
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
                 raise failed[0]
+        if port.released:
+            # Let go of while this commit waited for the acknowledgements: its commit point
+            # is gone with it, and committing the answers without their offsets would
+            # have the partition's next owner answer them again. Left open, the
+            # transaction is aborted when that owner takes the id over.
+            return
         # Read under the gate, after the acknowledgements: a commit point read before
         # the gate was taken may be older than one a commit meanwhile wrote, and
         # committing it would move the partition back (the chaos test caught that).

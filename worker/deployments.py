@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from common.errors import NotFoundError
 from common.kafka_connect import until_available
@@ -26,6 +27,7 @@ from schemas import ModelDeployment, SchemaError, decode
 
 log = logging.getLogger(__name__)
 
+READ_RETRY_S = 1.0
 # None: the model was removed from the registry.
 OnChange = Callable[[ModelDeployment | None], Awaitable[None]]
 
@@ -85,9 +87,18 @@ class DeploymentWatcher:
         return partitions
 
     async def run(self) -> None:
-        """Follow the control topic for as long as the worker runs."""
+        """Follow the control topic for as long as the worker runs; a routine Kafka error
+        (a broker away, a leader moving) is waited out, a denied topic is not."""
         while True:
-            await self._read_once()
+            try:
+                await self._read_once()
+            except TopicAuthorizationFailedError:
+                raise
+            except KafkaError as exc:
+                log.warning("reading %s failed (%s: %s); reading on in %g s",
+                            self.settings.topic("control"), type(exc).__name__, exc,
+                            READ_RETRY_S)
+                await asyncio.sleep(READ_RETRY_S)
 
     async def wait_for_deployment(self, timeout_s: float) -> ModelDeployment:
         if self.current is None:

@@ -403,7 +403,8 @@ class Worker:
             # assigned meanwhile (never left unread, and then paused).
             assert self.engine is not None
             self.ingest.pause_all(self.engine.is_full())
-            await self.ingest.poll(max_records=256)
+            await self.intake.poll(self.ingest, on_wait=self._waiting,
+                                   on_reading=self._update_status)
 
     async def _commit_loop(self) -> None:
         assert self.ingest is not None

@@ -73,3 +73,48 @@ async def test_a_taken_over_partition_fences_its_old_owner(settings) -> None:
         await new.close_all()
         async with TopicAdmin(settings) as admin:
             await admin.delete([inputs, replies])
+
+
+async def test_a_partition_let_go_of_mid_commit_commits_no_answer(settings) -> None:
+    """A commit waits for its answers' acknowledgements when the partition is let go of
+    (its group membership lost, say): its commit point is gone with it, so committing
+    would commit the answers without their offsets, and the partition's next owner
+    would answer them again. Nothing of it is committed; its next owner's take-over
+    aborts the transaction."""
+    inputs, replies = f"{settings.topic_prefix}.requests.l", f"{settings.topic_prefix}.replies-l"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 1, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.l"
+    tp = TopicPartition(inputs, 0)
+    held = {tp: (7, "h=7;a=0")}  # the worker's commit point, until it lets go
+    txns, successor = (PartitionTransactions(settings.producer_options(), 30, group)
+                       for _ in range(2))
+    committer = TransactionCommitter(txns, lambda: dict(held), lambda _c: None)
+    try:
+        await txns.open([tp])
+        await txns.port(tp).send(replies, orjson.dumps({"by": "old"}), b"k")  # not acked yet
+        commit = asyncio.create_task(committer.commit())
+        for _ in range(3):  # into the commit, waiting for the acknowledgement
+            await asyncio.sleep(0)
+        assert not commit.done()
+        held.clear()
+        stopping = txns.release([tp])
+        await commit
+        await stopping
+        await successor.open([tp])  # the next owner takes the partition over
+
+        reader = AIOKafkaConsumer(**settings.kafka_options(), isolation_level="read_committed",
+                                  auto_offset_reset="earliest", group_id=None)
+        await reader.start()
+        try:
+            reader.assign([TopicPartition(replies, 0)])
+            batch = await reader.getmany(timeout_ms=3000)
+            assert not [r for rs in batch.values() for r in rs]  # no answer committed
+            assert await committed_of(reader, group, inputs, 0) is None
+        finally:
+            await reader.stop()
+    finally:
+        await txns.close_all()
+        await successor.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
