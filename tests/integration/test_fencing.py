@@ -12,6 +12,8 @@ owner's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -54,11 +56,7 @@ async def test_a_taken_over_partition_fences_its_old_owner(settings) -> None:
         await committer(new, "new").commit()
         assert len(lost) == 1
 
-        reader = AIOKafkaConsumer(**settings.kafka_options(), isolation_level="read_committed",
-                                  auto_offset_reset="earliest", group_id=None)
-        await reader.start()
-        try:
-            reader.assign([TopicPartition(replies, 0)])
+        async with _committed_reader(settings, replies) as reader:
             seen = []
             async with asyncio.timeout(30):
                 while not seen:
@@ -66,8 +64,6 @@ async def test_a_taken_over_partition_fences_its_old_owner(settings) -> None:
                     seen += [orjson.loads(r.value)["by"] for rs in batch.values() for r in rs]
             assert seen == ["new"]  # the old owner's answer was aborted
             assert await committed_of(reader, group, inputs, 0) == offsets["new"]
-        finally:
-            await reader.stop()
     finally:
         await old.close_all()
         await new.close_all()
@@ -103,18 +99,25 @@ async def test_a_partition_let_go_of_mid_commit_commits_no_answer(settings) -> N
         await stopping
         await successor.open([tp])  # the next owner takes the partition over
 
-        reader = AIOKafkaConsumer(**settings.kafka_options(), isolation_level="read_committed",
-                                  auto_offset_reset="earliest", group_id=None)
-        await reader.start()
-        try:
-            reader.assign([TopicPartition(replies, 0)])
+        async with _committed_reader(settings, replies) as reader:
             batch = await reader.getmany(timeout_ms=3000)
             assert not [r for rs in batch.values() for r in rs]  # no answer committed
             assert await committed_of(reader, group, inputs, 0) is None
-        finally:
-            await reader.stop()
     finally:
         await txns.close_all()
         await successor.close_all()
         async with TopicAdmin(settings) as admin:
             await admin.delete([inputs, replies])
+
+
+@contextlib.asynccontextmanager
+async def _committed_reader(settings, topic: str) -> AsyncIterator[AIOKafkaConsumer]:
+    """A `read_committed` reader of `topic`'s partition 0, from its start."""
+    reader = AIOKafkaConsumer(**settings.kafka_options(), isolation_level="read_committed",
+                              auto_offset_reset="earliest", group_id=None)
+    await reader.start()
+    try:
+        reader.assign([TopicPartition(topic, 0)])
+        yield reader
+    finally:
+        await reader.stop()
