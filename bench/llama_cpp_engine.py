@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.cpu_workload import CONCURRENT, distinct_prompt
 from infra.common import default_cache_dir
 
-LLAMA_VARIANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_1")
+LLAMA_VARIANTS = ("F32", "BF16", "F16", "Q8_0", "Q4_K_M", "Q4_1")
 
 
 def gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str, Path]:
@@ -32,7 +32,8 @@ def gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str, Path
         say("writing the F32 GGUF (the wheel's Q4_1, dequantized) ...")
         _dequantized_copy(source, files["F32"])
     ftypes = {"BF16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
-              "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+              "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+              "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
     for variant, ftype in ftypes.items():
         if files[variant].is_file():
             continue

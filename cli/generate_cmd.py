@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
     @app.command("generate")
     def generate_cmd(
         model_path: Annotated[
-            Path, typer.Option("--model-path", help="Hugging Face model directory.")
+            Path, typer.Option("--model-path", help="Hugging Face model directory, or a .gguf "
+                               "file (served in its own quantization).")
         ],
         max_tokens: Annotated[int, typer.Option(
             "--max-tokens", min=1, help="Most tokens to generate.")] = 16,
@@ -83,8 +84,9 @@ def register(app: typer.Typer) -> None:
         if sum(x is not None for x in (prompt_ids, prompt, messages)) != 1:
             raise fail("give exactly one of --prompt-ids, --prompt or --messages", 2)
         chat = _parse_messages(messages) if messages is not None else None
-        if not (model_path / "config.json").is_file():
-            raise fail(f"no model at {model_path} (config.json not found)", 2)
+        is_gguf = model_path.suffix.lower() == ".gguf" and model_path.is_file()
+        if not is_gguf and not (model_path / "config.json").is_file():
+            raise fail(f"no model at {model_path} (no config.json, not a .gguf file)", 2)
         if quantization not in ("none", "fp8"):
             raise fail(f"--quantization must be none or fp8, got {quantization!r}", 2)
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -119,8 +121,10 @@ def _generate(
     tp: int,
 ) -> dict:
     from gpu_runtime import ModelConfig, Runtime, RuntimeConfig, SamplingParams
+    from gpu_runtime.gguf_folder import servable_dir
     from gpu_runtime.lora_format import validate_adapter_dir
 
+    model_path = servable_dir(model_path)  # a .gguf file: its folder, weights left in the file
     config = ModelConfig.from_dir(model_path)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     # Just enough KV cache for this one request, capped by the model's context.

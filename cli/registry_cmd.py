@@ -35,7 +35,8 @@ def add_model_commands(models: typer.Typer) -> None:
     @friendly_errors
     def register_cmd(
         model: ModelOpt,
-        path: Annotated[str, typer.Option("--path", help="Hugging Face model directory.")],
+        path: Annotated[str, typer.Option("--path", help=(
+            "Hugging Face model directory, or a .gguf file (served in its own quantization)."))],
         partitions: Annotated[int | None, typer.Option(
             "--partitions", help="Request-topic partitions (SLUICE_REQUEST_PARTITIONS).")]
         = None,

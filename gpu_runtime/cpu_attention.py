@@ -71,12 +71,17 @@ NATIVE = Path(__file__).parent / "native"
 # One library: decode_layers.c (cpu_decode.py's whole-step kernel) includes
 # decode_attention.c; the build key covers every source it reads.
 SOURCE = NATIVE / "decode_layers.c"
-INCLUDED = (NATIVE / "decode_attention.c", NATIVE / "decode_products.c", NATIVE / "simd16.h")
+INCLUDED = (NATIVE / "decode_attention.c", NATIVE / "decode_products.c", NATIVE / "decode_quant.c",
+            NATIVE / "simd16.h")
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # The instruction set the library is built for (simd16.h): AVX-512 where the CPU has it,
 # else AVX2 with FMA (16 lanes as two halves; no bfloat16 products).
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
-             "avx2": ("-mavx2", "-mfma")}
+# "avx512vnni": the same with AVX512-VNNI's byte dot products for quantized weights
+# (decode_quant.c). F16C (every AVX2 CPU has it): the quantized weights' float16 scales.
+ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c",
+                            "-mavx512vnni"),
+             "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
+             "avx2": ("-mavx2", "-mfma", "-mf16c")}
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head (the kernel's register arrays)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -207,7 +212,7 @@ def cpu_isa() -> str | None:
     `loader.cpu_has_native_bf16` does), else "avx2" (with FMA), else None."""
     try:
         if torch.cpu._is_avx512_supported():
-            return "avx512"
+            return "avx512vnni" if "avx512_vnni" in _cpu_flags() else "avx512"
         if torch.cpu._is_avx2_supported() and "fma" in _cpu_flags():
             return "avx2"
     except AttributeError:  # a torch without the probes: assume neither
@@ -217,7 +222,8 @@ def cpu_isa() -> str | None:
 
 def runnable_isas() -> list[str]:
     """The instruction sets whose build this CPU runs, the widest first."""
-    return {"avx512": ["avx512", "avx2"], "avx2": ["avx2"], None: []}[cpu_isa()]
+    return {"avx512vnni": ["avx512vnni", "avx512", "avx2"], "avx512": ["avx512", "avx2"],
+            "avx2": ["avx2"], None: []}[cpu_isa()]
 
 
 def build_flags(isa: str) -> tuple[str, ...]:

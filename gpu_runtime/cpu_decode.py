@@ -52,6 +52,8 @@ from gpu_runtime.config import ModelConfig, RuntimeConfig
 from gpu_runtime.context import StepContext
 from gpu_runtime.layers import Linear
 from gpu_runtime.lora import LoraLinear
+from gpu_runtime.native_abi import Proj as _Proj
+from gpu_runtime.quantized import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +69,6 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class _Proj(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64)]
-
-
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
@@ -84,7 +81,8 @@ class _Model(ctypes.Structure):
         "block_size", "num_blocks", "bf16")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float),
                                                 ("final_norm", ctypes.c_void_p),
                                                 ("embed", ctypes.c_void_p),
-                                                ("vocab", ctypes.c_int64), ("lm_head", _Proj)]
+                                                ("vocab", ctypes.c_int64), ("lm_head", _Proj),
+                                                ("embed_q", _Proj), ("qscratch", ctypes.c_void_p)]
 
 
 def blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -100,27 +98,59 @@ def blocked(weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _Projection:
-    weight: torch.Tensor  # blocked
+    weight: torch.Tensor  # blocked, or quantized.py's packed bytes
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    qtype: int = 0
+    block_qtypes: torch.Tensor | None = None  # [blocks] int64 (parts of different formats)
+    block_offsets: torch.Tensor | None = None  # [blocks] int64 byte offsets
+    copied: bool = True  # a copy of the model's weights (the float layout), not shared
 
     def struct(self) -> _Proj:
         bias = self.bias.data_ptr() if self.bias is not None else None
-        return _Proj(self.weight.data_ptr(), bias, self.out_features, self.in_features)
+        extra = [t.data_ptr() if t is not None else None
+                 for t in (self.block_qtypes, self.block_offsets)]
+        return _Proj(self.weight.data_ptr(), bias, self.out_features, self.in_features,
+                     self.qtype, *extra)
 
 
-def _plain(module: nn.Module) -> Linear | None:
+def _plain(module: nn.Module) -> Linear | QuantizedLinear | None:
     base = module.base if isinstance(module, LoraLinear) else module
-    return base if type(base) is Linear else None
+    return base if type(base) in (Linear, QuantizedLinear) else None
 
 
-def _projection(parts: list[Linear]) -> _Projection:
+def _projection(parts: list[Linear | QuantizedLinear]) -> _Projection:
+    if isinstance(parts[0], QuantizedLinear):
+        return _quantized_projection(parts)
     weight = torch.cat([p.weight.data for p in parts]) if len(parts) > 1 else parts[0].weight.data
     bias = None
     if parts[0].bias is not None:
         bias = torch.cat([p.bias.data for p in parts]).contiguous()
     return _Projection(blocked(weight), bias, weight.shape[0], weight.shape[1])
+
+
+def _quantized_projection(parts: list[QuantizedLinear]) -> _Projection:
+    """One product over the parts' rows (q/k/v, gate/up): their packed blocks joined in
+    one tensor, which each part then reads a view of (no second copy)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return _Projection(first.packed.data, None, first.out_features, first.in_features,
+                           first.qtype, copied=False)
+    joined = torch.cat([p.packed.data for p in parts])
+    qtypes, offsets, at = [], [], 0
+    for part in parts:
+        blocks = part.out_features // BLOCK_ROWS
+        size = part.packed.numel() // blocks
+        qtypes += [part.qtype] * blocks
+        offsets += [at + i * size for i in range(blocks)]
+        part.packed = nn.Parameter(joined[at : at + part.packed.numel()], requires_grad=False)
+        at += part.packed.numel()
+    uniform = len({p.qtype for p in parts}) == 1
+    return _Projection(
+        joined, None, sum(p.out_features for p in parts), first.in_features, first.qtype,
+        None if uniform else torch.tensor(qtypes, dtype=torch.int64),
+        None if uniform else torch.tensor(offsets, dtype=torch.int64), copied=False)
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -148,9 +178,9 @@ def why_not_native_decode(model: nn.Module, config: ModelConfig, device: torch.d
     for name, width in widths.items():
         if width % WIDTH_MULTIPLE:
             return f"{name} {width} is not a multiple of {WIDTH_MULTIPLE}"
-    if type(model.model.embed_tokens) is not nn.Embedding:
+    if type(model.model.embed_tokens) not in (nn.Embedding, QuantizedEmbedding):
         return f"the embedding is a {type(model.model.embed_tokens).__name__}, not nn.Embedding"
-    if type(model.lm_head) is not Linear:
+    if type(model.lm_head) not in (Linear, QuantizedLinear):
         return f"the LM head is a {type(model.lm_head).__name__}, not a plain Linear"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -159,6 +189,14 @@ def why_not_native_decode(model: nn.Module, config: ModelConfig, device: torch.d
                 if _plain(getattr(parent, name)) is None:
                     kind = type(getattr(parent, name)).__name__
                     return f"{name} is a {kind}, not a plain Linear"
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parts = [_plain(getattr(attn if name[0] in "qkv" else mlp, name)) for name in group]
+            kinds = {type(p) for p in parts}
+            if len(kinds) > 1:
+                return f"{'/'.join(group)} mix float and quantized weights"
+            if (QuantizedLinear in kinds and len(parts) > 1
+                    and any(p.out_features % BLOCK_ROWS for p in parts)):
+                return f"{'/'.join(group)}: quantized parts need rows in multiples of {BLOCK_ROWS}"
     return None
 
 
@@ -185,7 +223,7 @@ class NativeDecoder:
         project = kernel.library.sluice_project
         project.restype = ctypes.c_int
         project.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                            ctypes.c_int, ctypes.c_int]
+                            ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         self.project_fn = project
         argmax = kernel.library.sluice_argmax
         argmax.restype = ctypes.c_int
@@ -193,7 +231,7 @@ class NativeDecoder:
                            ctypes.c_int]
         self.argmax_fn = argmax
         self.config = config
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = model.model.norm.weight.dtype  # the activations' (a quantized table has none)
         # the most rows of a step it serves (larger steps: the torch path)
         self.max_rows = (AMX_BF16_ROWS if self.dtype == torch.bfloat16
                          and onednn_multiplies_bf16_on_amx() else MAX_ROWS)
@@ -212,10 +250,20 @@ class NativeDecoder:
                 "window": attn.window or 0,
             })  # fmt: skip
         self.final_norm = model.model.norm.weight.data
-        self.embed = model.model.embed_tokens.weight.data
-        # The LM head too (tied: a copy of the embedding rows): a step samples a few rows.
+        embedding = model.model.embed_tokens
+        self.embed = embedding.weight.data if isinstance(embedding, nn.Embedding) else None
+        self.embed_q = (embedding.table.struct() if isinstance(embedding, QuantizedEmbedding)
+                        else _Proj())
+        # The LM head too (tied: a copy of the embedding rows, or the same quantized
+        # bytes): a step samples a few rows.
         self.lm_head = _projection([model.lm_head])
         self.lm_head_struct = self.lm_head.struct()
+        # the quantized products' input rows (quantized.py): the widest input, MAX_ROWS rows
+        widest = max(config.hidden_size, config.intermediate_size,
+                     config.num_heads * config.head_dim)
+        self.qscratch = torch.empty(
+            kernel.library.sluice_quant_scratch_bytes(MAX_ROWS, widest)
+            if hasattr(kernel.library, "sluice_quant_scratch_bytes") else 0, dtype=torch.uint8)
         c = config
         self.work_per_row = (c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                              + c.num_heads * c.head_dim + 3 * c.intermediate_size)
@@ -228,7 +276,8 @@ class NativeDecoder:
     @property
     def extra_bytes(self) -> int:
         parts = [p for layer in self.layers for p in layer.values() if isinstance(p, _Projection)]
-        return sum(p.weight.numel() * p.weight.element_size() for p in [*parts, self.lm_head])
+        return sum(p.weight.numel() * p.weight.element_size() for p in [*parts, self.lm_head]
+                   if p.copied)
 
     def bind(self, kv_caches: list[torch.Tensor], block_size: int) -> None:
         """Point the layers at their KV caches ([2, num_blocks, block_size, n_kv, D])."""
@@ -237,8 +286,9 @@ class NativeDecoder:
         self.model_struct = _Model(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.intermediate_size, block_size, num_blocks, DTYPES[self.dtype],
-            c.rms_norm_eps, c.head_dim**-0.5, self.final_norm.data_ptr(), self.embed.data_ptr(),
-            self.embed.shape[0], self.lm_head_struct)  # fmt: skip
+            c.rms_norm_eps, c.head_dim**-0.5, self.final_norm.data_ptr(),
+            None if self.embed is None else self.embed.data_ptr(), c.vocab_size,
+            self.lm_head_struct, self.embed_q, self.qscratch.data_ptr())  # fmt: skip
         structs = (_Layer * len(self.layers))()
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             structs[i] = _Layer(
@@ -295,7 +345,7 @@ class NativeDecoder:
         out = torch.empty((hidden.shape[0], self.lm_head.out_features), dtype=torch.float32)
         rc = self.project_fn(ctypes.addressof(self.lm_head_struct), hidden.data_ptr(),
                              hidden.shape[0], out.data_ptr(), DTYPES[self.dtype],
-                             torch.get_num_threads())
+                             torch.get_num_threads(), self.qscratch.data_ptr())
         if rc != 0:
             raise RuntimeError(f"the native LM head takes 1 to {MAX_ROWS} rows, not "
                                f"{hidden.shape[0]}")

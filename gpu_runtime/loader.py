@@ -28,6 +28,8 @@ from safetensors import safe_open
 from gpu_runtime.config import ModelConfig
 from gpu_runtime.errors import ModelLoadError
 from gpu_runtime.fp8 import fp8_shells, quantize_per_channel
+from gpu_runtime.gguf_folder import weights_file
+from gpu_runtime.gguf_weights import load_gguf_model
 from gpu_runtime.model import CausalLM
 from gpu_runtime.parallel import ShardLayout, use_vocab_parallel
 
@@ -93,6 +95,12 @@ def load_model(
     so at most one full-precision tensor is held at a time, never the whole model.
     """
     model_dir = Path(model_dir)
+    gguf_file = weights_file(model_dir)
+    if gguf_file is not None:  # its quantized tensors stay quantized (gguf_weights.py)
+        if layout is not None or quantization != "none":
+            raise ModelLoadError("a GGUF model is served on one rank in its own quantization: "
+                                 "tp=1 and quantization=none")
+        return load_gguf_model(gguf_file, config, dtype, device)
     with torch.device("meta"):
         if layout is None:
             model = CausalLM(config)

@@ -163,7 +163,10 @@ def validate_adapter_dir(
     model_dir: str | Path, adapter_dir: str | Path, max_lora_rank: int
 ) -> AdapterInfo:
     """Check an adapter against a base model without loading either; raises `AdapterError`."""
-    return _inspect(ModelConfig.from_dir(model_dir), Path(adapter_dir), max_lora_rank)[0]
+    from gpu_runtime.gguf_folder import servable_dir
+
+    return _inspect(ModelConfig.from_dir(servable_dir(model_dir)), Path(adapter_dir),
+                    max_lora_rank)[0]
 
 
 def load_adapter(

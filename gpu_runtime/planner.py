@@ -46,6 +46,7 @@ class MemoryRequest:
     max_lora_rank: int = 64
     lm_head_copy: bool = False  # a tied LM head held apart too (packed on CPU: cpu_linear.py)
     decode_copy: bool = False  # the layers' projections twice (the CPU decode kernel's copy)
+    weight_bytes: int | None = None  # known already (a GGUF file's, as loaded), else estimated
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,8 @@ def _kv_heads_per_device(config: ModelConfig, tp: int) -> int:
 
 
 def weight_bytes_per_device(config: ModelConfig, req: MemoryRequest) -> int:
+    if req.weight_bytes is not None:
+        return req.weight_bytes
     if req.tp < 1 or config.num_heads % req.tp:
         raise ModelLoadError(f"tp={req.tp} does not divide num_attention_heads={config.num_heads}")
     tp, dt = req.tp, _dtype_bytes(req.dtype)

@@ -81,7 +81,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.model = model
         self.device = param.device
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = model.model.norm.weight.dtype  # (a quantized embedding has no weight)
         self.block_size = block_size
         self.sliding_window = config.sliding_window
         self.use_triton = self.device.type == "cuda" and _triton_available()

@@ -31,6 +31,8 @@ from gpu_runtime.errors import (
     ModelLoadError,
     SchedulingError,
 )
+from gpu_runtime.gguf_folder import servable_dir, weights_file
+from gpu_runtime.gguf_weights import gguf_weight_bytes
 from gpu_runtime.grammar import Grammars, mask_rows
 from gpu_runtime.loader import default_dtype, resolve_dtype
 from gpu_runtime.lora_format import AdapterInfo
@@ -54,10 +56,14 @@ from gpu_runtime.stops import check_stop, load_tokenizer
 class Runtime:
     def __init__(self, model_path: str | Path, config: RuntimeConfig | None = None) -> None:
         self.config = config = config or RuntimeConfig()
+        model_path = servable_dir(model_path)  # a .gguf file: its folder (gguf_folder.py)
         self.model_config = mc = ModelConfig.from_dir(model_path)
         self.device = torch.device(config.device)
         check_tp(mc, config.tp)
-        dtype = resolve_dtype(config.dtype or default_dtype(mc, self.device))
+        gguf_file = weights_file(model_path)
+        # a GGUF file's quantized products compute in float32 (their activations' dtype)
+        dtype = resolve_dtype(config.dtype or ("float32" if gguf_file is not None
+                                               else default_dtype(mc, self.device)))
         request = MemoryRequest(
             dtype=dtype,
             kv_cache_len=config.kv_cache_len,
@@ -68,8 +74,10 @@ class Runtime:
             max_num_seqs=config.max_num_seqs,
             max_adapters=config.max_adapters,
             max_lora_rank=config.max_lora_rank,
-            lm_head_copy=config.tp == 1 and prepacks(config, self.device, dtype),
-            decode_copy=decodes_natively(config, self.device, dtype),
+            lm_head_copy=(config.tp == 1 and prepacks(config, self.device, dtype)
+                          and gguf_file is None),
+            decode_copy=decodes_natively(config, self.device, dtype) and gguf_file is None,
+            weight_bytes=None if gguf_file is None else gguf_weight_bytes(gguf_file),
         )
         available = config.memory_budget_bytes or available_device_bytes(self.device)
         self.memory_plan: MemoryPlan = plan_memory(mc, request, available)
@@ -92,6 +100,7 @@ class Runtime:
             raise
         self.runner = runner if self.ranks is None else TPRunner(runner, self.ranks, self.adapters)
         self.table = SequenceTable(BlockManager(num_blocks, config.block_size))
+        self.model_dir = Path(model_path)  # the folder served (a .gguf file: its folder)
         self.tokenizer = load_tokenizer(model_path)
         self._grammars: Grammars | None = None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)

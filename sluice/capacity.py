@@ -62,20 +62,27 @@ def plan_problem(deployment: ModelDeployment, device: str, memory_bytes: int,
     could not load `deployment`; None if it could."""
     from gpu_runtime.config import ModelConfig
     from gpu_runtime.errors import InsufficientMemoryError, ModelLoadError
+    from gpu_runtime.gguf_folder import servable_dir, weights_file
+    from gpu_runtime.gguf_weights import gguf_weight_bytes
     from gpu_runtime.loader import default_dtype, resolve_dtype
     from gpu_runtime.planner import MemoryRequest, plan_memory
 
     cc = deployment.compute_config
     try:
-        config = ModelConfig.from_dir(deployment.path)
+        folder = servable_dir(deployment.path)
+        config = ModelConfig.from_dir(folder)
+        gguf_file = weights_file(folder)
+        weight_bytes = None if gguf_file is None else gguf_weight_bytes(gguf_file)
     except (OSError, ValueError, KeyError, ModelLoadError) as exc:
         return f"the model at {deployment.path} cannot be read: {exc}"
-    dtype = cc.dtype if cc.dtype != "auto" else default_dtype(config, device, native_bf16)
+    dtype = cc.dtype if cc.dtype != "auto" else (
+        "float32" if gguf_file is not None else default_dtype(config, device, native_bf16))
     # A CPU worker packs a tied LM head apart from the embeddings (gpu_runtime.cpu_linear).
     on_cpu = device.split(":")[0] == "cpu"
     request = MemoryRequest(dtype=resolve_dtype(dtype), kv_cache_len=cc.kv_cache_len, tp=cc.tp,
                             quantization=cc.quantization,
-                            lm_head_copy=on_cpu and cc.tp == 1 and cc.compile is not True)
+                            lm_head_copy=on_cpu and cc.tp == 1 and cc.compile is not True
+                            and gguf_file is None, weight_bytes=weight_bytes)
     try:
         plan_memory(config, request, memory_bytes)
     except (InsufficientMemoryError, ModelLoadError) as exc:

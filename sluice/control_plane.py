@@ -107,9 +107,10 @@ class ControlPlane:
                              placement: dict[str, Any] | None = None) -> ModelDeployment:
         _check("model", model)
         model_dir = Path(path).expanduser().resolve()
-        if not (model_dir / "config.json").is_file():
+        is_gguf = model_dir.suffix.lower() == ".gguf" and model_dir.is_file()
+        if not is_gguf and not (model_dir / "config.json").is_file():
             raise InvalidConfigError(
-                f"{model_dir} is not a model directory (no config.json); "
+                f"{model_dir} is not a model directory (no config.json) nor a .gguf file; "
                 "make one with `sluice models make-tiny DIR`"
             )
         config = self._parse(ComputeConfig, compute_config or {})

@@ -47,8 +47,9 @@ class Intake:
                     on_revoked: Callable[[list[TopicPartition]], Awaitable[None]],
                     ) -> RequestIngest:
         runtime = self._runtime()
-        prompts = PromptBuilder.for_model(dep.path, runtime.tokenizer,
-                                          runtime.model_config.vocab_size)
+        # the folder the runtime serves (a .gguf file's is made beside sluice's cache)
+        prompts = PromptBuilder.for_model(getattr(runtime, "model_dir", dep.path),
+                                          runtime.tokenizer, runtime.model_config.vocab_size)
         self.prompts = prompts
         if prompts.template_problem is not None:
             log.warning("chat requests will be refused: %s", prompts.template_problem)

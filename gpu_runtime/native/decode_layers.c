@@ -48,6 +48,15 @@
 #endif
 
 #include "decode_products.c"  /* after ROW_GROUP and SPLIT_ROWS: it reads them */
+#include "decode_quant.c"     /* after decode_products.c: it reads COLS and store_block */
+
+/* y = x W^T + b on float or quantized weights (see project and qproject). */
+static void product(const sluice_proj *p, const void *x, int M, void *y, void *residual, int bf16,
+                    int y_f32, void *qscratch)
+{
+    if (p->qtype) qproject(p, x, M, y, residual, bf16, y_f32, qscratch);
+    else project(p, x, M, y, residual, bf16, y_f32);
+}
 
 typedef struct {
     sluice_proj qkv, o, gate_up, down;
@@ -64,6 +73,8 @@ typedef struct {
     const void *embed;       /* [vocab, hidden]: the embedding's rows */
     int64_t vocab;
     sluice_proj lm_head;     /* [vocab, hidden] blocked as the other products */
+    sluice_proj embed_q;     /* qtype 0: `embed` holds the rows; else the quantized table */
+    void *qscratch;          /* quantized input rows: sluice_quant_scratch_bytes */
 } sluice_model;
 
 /* ---- the elementwise phases, 16 values a vector (tails masked) ---- */
@@ -196,9 +207,18 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
         if (positions[m] < 0 || positions[m] >= rope_len || slots[m] < 0 || slots[m] >= num_slots
             || token_ids[m] < 0 || token_ids[m] >= md->vocab)
             return -1;
-    for (int m = 0; m < rows; m++)  /* the embedding: the residual stream starts as its rows */
-        memcpy((char *)x + m * hidden * esize, (const char *)md->embed + token_ids[m] * hidden * esize,
-               hidden * esize);
+    for (int m = 0; m < rows; m++) {  /* the embedding: the residual stream starts as its rows */
+        if (md->embed_q.qtype) {
+            float row[hidden];
+            dequantize_row(&md->embed_q, token_ids[m], row);
+            for (int64_t i = 0; i < hidden; i += 16)
+                store16m(elem(x, m * hidden + i, bf16), first_n(hidden - i),
+                         vf_maskz_loadu(first_n(hidden - i), row + i), bf16);
+        } else {
+            memcpy((char *)x + m * hidden * esize, (const char *)md->embed + token_ids[m] * hidden * esize,
+                   hidden * esize);
+        }
+    }
     char *h = (char *)work;  /* [rows, hidden] */
     char *qkv = h + rows * hidden * esize;  /* [rows, (H + 2 nkv) D] */
     char *attn = qkv + rows * qkv_size * esize;  /* [rows, H D] */
@@ -213,7 +233,7 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
         rms_norm(x, ly->norm1, h, rows, hidden, md->eps, bf16);
         prefetch_share(&ly->qkv, bf16);
         #pragma omp barrier
-        project(&ly->qkv, h, rows, qkv, NULL, bf16, 0);
+        product(&ly->qkv, h, rows, qkv, NULL, bf16, 0, md->qscratch);
         rope_and_write(md, ly, qkv, rows, positions, slots, rope);
         #pragma omp for schedule(dynamic, 1) nowait
         for (int task = 0; task < rows * nkv; task++)
@@ -225,21 +245,21 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
             }
         prefetch_share(&ly->o, bf16);
         #pragma omp barrier
-        project(&ly->o, attn, rows, NULL, x, bf16, 0);
+        product(&ly->o, attn, rows, NULL, x, bf16, 0, md->qscratch);
         rms_norm(x, ly->norm2, h, rows, hidden, md->eps, bf16);
         prefetch_share(&ly->gate_up, bf16);
         #pragma omp barrier
-        project(&ly->gate_up, h, rows, gate_up, NULL, bf16, 0);
+        product(&ly->gate_up, h, rows, gate_up, NULL, bf16, 0, md->qscratch);
         silu_mul(gate_up, act, rows, inter, bf16);
         prefetch_share(&ly->down, bf16);
         #pragma omp barrier
-        project(&ly->down, act, rows, NULL, x, bf16, 0);
+        product(&ly->down, act, rows, NULL, x, bf16, 0, md->qscratch);
     }
     rms_norm(x, md->final_norm, out, rows, hidden, md->eps, bf16);
     if (logits != NULL) {  /* every row sampled (a decode step's): the LM head in this region */
         prefetch_share(&md->lm_head, bf16);
         #pragma omp barrier
-        project(&md->lm_head, out, rows, logits, NULL, bf16, 1);  /* a barrier after */
+        product(&md->lm_head, out, rows, logits, NULL, bf16, 1, md->qscratch);  /* a barrier after */
         /* and each row's argmax, which every sampling call asks for first (the logits
            are in the cores' caches still; outside, that op ran cold) */
         #pragma omp for schedule(static) nowait
@@ -254,13 +274,41 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
    torch path's product in that dtype, then .float()): the LM head of the rows a step
    samples. Returns 0, or -1 for a row count the kernel does not take. */
 int sluice_project(const sluice_proj *p, const void *x, int rows, float *y, int bf16,
-                   int num_threads)
+                   int num_threads, void *qscratch)
 {
     if (rows < 1 || rows > MAX_ROWS || (bf16 && !BF16_PRODUCTS)) return -1;
     #pragma omp parallel num_threads(num_threads)
-    project(p, x, rows, y, NULL, bf16, 1);
+    product(p, x, rows, y, NULL, bf16, 1, qscratch);
     return 0;
 }
+
+/* y [rows, N] = x [rows, K] W^T (+ b) in the model's dtype (bf16: bfloat16, else float32)
+   on quantized weights: a quantized Linear's forward outside the decode kernel (prefill
+   chunks, larger steps), MAX_ROWS rows a call. Returns 0, or -1 for rows out of range or
+   weights not quantized. */
+int sluice_qlinear(const sluice_proj *p, const void *x, int rows, void *y, int bf16,
+                   int num_threads, void *qscratch)
+{
+    if (rows < 1 || rows > MAX_ROWS || !p->qtype || !qtype_fits(p->qtype, p->in_features)) return -1;
+    #pragma omp parallel num_threads(num_threads)
+    qproject(p, x, rows, y, NULL, bf16, 0, qscratch);
+    return 0;
+}
+
+/* Bytes of scratch the quantized products need for `rows` rows of up to `max_in` inputs. */
+int64_t sluice_quant_scratch_bytes(int64_t rows, int64_t max_in) { return qacts_bytes(rows, max_in); }
+
+/* Bytes of one 32-row block of a K-input projection stored as qtype (0: not storable). */
+int64_t sluice_qblock_bytes(int64_t qtype, int64_t K) { return qtype_fits(qtype, K) ? qblock_bytes(qtype, K) : 0; }
+
+/* Rows ids[0..n) of a quantized table as float32 into out [n, K] (the embedding's lookup). */
+void sluice_dequantize_rows(const sluice_proj *p, const int64_t *ids, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; i++) dequantize_row(p, ids[i], out + i * p->in_features);
+}
+
+/* Whether the quantized products use AVX512-VNNI (1) or vpmaddubsw (0). */
+int sluice_quant_vnni(void) { return Q_VNNI; }
 
 /* out[r] = argmax_row of row r of x [rows, cols] float32. Rows are shared out between
    threads; torch's argmax over a 49k-wide vocabulary ran at ~1 G values/s here, this at

@@ -18,9 +18,15 @@ typedef struct {
     const void *weight;  /* [ceil(N/32)][K/2][32][2] bf16 or [ceil(N/32)][K][32] f32; rows past N zero */
     const void *bias;    /* [N] in the model's dtype, or NULL */
     int64_t out_features, in_features;
+    int64_t qtype;       /* 0: the float layout above; else decode_quant.c's */
+    /* NULL, or per 32-row block its qtype and byte offset (a fused q/k/v or gate/up
+       whose parts are stored in different formats) */
+    const int64_t *block_qtypes, *block_offsets;
 } sluice_proj;
 
 #define COLS 32  /* output rows per block: two vectors of 16 */
+
+static inline int64_t qblock_bytes(int64_t qtype, int64_t K);  /* decode_quant.c */
 #ifndef PREFETCH_BF16
 #define PREFETCH_BF16 16  /* pairs ahead (of 128 bytes each): 8 ran 5-10 % slower */
 #endif
@@ -241,8 +247,10 @@ static void prefetch_share(const sluice_proj *p, int bf16)
 {
     int64_t first, count;
     thread_part((p->out_features + COLS - 1) / COLS, &first, &count);
-    const int64_t block_bytes = COLS * p->in_features * (bf16 ? 2 : 4);
+    const int64_t block_bytes = p->qtype ? qblock_bytes(p->qtype, p->in_features)
+                                         : COLS * p->in_features * (bf16 ? 2 : 4);
     const int64_t end = count * block_bytes < AHEAD_BYTES ? count * block_bytes : AHEAD_BYTES;
-    const char *w = (const char *)p->weight + first * block_bytes;
+    const char *w = (const char *)p->weight
+                    + (p->block_offsets && count ? p->block_offsets[first] : first * block_bytes);
     for (int64_t at = 0; at < end; at += 64) _mm_prefetch(w + at, _MM_HINT_T1);
 }

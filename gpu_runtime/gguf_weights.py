@@ -1,0 +1,196 @@
+"""A model's weights read from a GGUF file, its quantized projections kept quantized.
+
+A model folder holding a `.gguf` (and no safetensors) is served from it: the
+config, tokenizer and chat template beside it were written from the file's metadata
+(`modelfiles.gguf_import`), and here the tensors are read (memory-mapped, with the
+`gguf` package's reader), renamed to the Hugging Face names `CausalLM` uses, and
+each projection whose tensor is quantized becomes a `QuantizedLinear` (the kernel's
+layout, quantized.py); float tensors (the norms, F32/F16/BF16 projections) load as
+usual. llama.cpp's converter permutes the rows of a Llama's q and k projections for
+its RoPE; the rows are put back here (a row permutation: the quantized blocks run
+along a row, so each row's bytes move whole).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from gpu_runtime.config import ModelConfig
+from gpu_runtime.errors import ModelLoadError
+from gpu_runtime.layers import Linear
+from gpu_runtime.quantized import (
+    KERNEL_QTYPES,
+    SUPER,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    requantize_q8_0,
+    unpack,
+)
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise ModelLoadError("serving a GGUF file needs the gguf package: "
+                             "pip install 'sluice-engine[gguf]'") from None
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot read {path} as GGUF: {exc}") from None
+
+
+def _rope_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order undoing llama.cpp's q/k permutation (its `permute`): HF row i is the
+    file's row order[i]."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def _raw_rows(tensor) -> tuple[np.ndarray, int, int, str]:
+    """A tensor's rows as [N, bytes a row] uint8 (or its float values), N, K, type name."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+    shape = [int(v) for v in tensor.shape]  # GGUF order: K first
+    k, n = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    data = np.asarray(tensor.data)
+    if kind in FLOAT_TYPES:
+        if kind == "BF16":
+            values = torch.from_numpy(data.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16)
+            return values.float().numpy(), n, k, kind
+        return data.reshape(n, k).astype(np.float32), n, k, kind
+    return data.reshape(n, -1), n, k, kind
+
+
+def _quantized(raw: np.ndarray, n: int, k: int, kind: str) -> QuantizedLinear:
+    import gguf
+
+    fits = k % SUPER.get(kind, 32) == 0
+    if kind in KERNEL_QTYPES and fits:
+        unpacked = unpack(kind, raw, k)
+    else:
+        if k % 32:
+            raise ModelLoadError(f"a {kind} tensor of {k} inputs: sluice needs a multiple of 32")
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(n, k)
+        unpacked = requantize_q8_0(values)
+    return QuantizedLinear(unpacked, n, k)
+
+
+def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device | str) -> nn.Module:
+    """The model of `config` with the weights of the GGUF file at `path`."""
+    from gpu_runtime.model import CausalLM
+
+    if torch.device(device).type != "cpu":
+        raise ModelLoadError("quantized GGUF weights are served on the CPU; for a GPU, import "
+                             "the file as float (`sluice models import-gguf --dtype bfloat16`)")
+    reader = _reader(path)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    floats: dict[str, torch.Tensor] = {}
+    converted: dict[str, int] = {}
+    quantized_embedding: QuantizedLinear | None = None
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        raw, n, k, kind = _raw_rows(tensor)
+        if name.endswith("q_proj.weight"):
+            raw = raw[_rope_rows(n, config.num_heads)]
+        elif name.endswith("k_proj.weight"):
+            raw = raw[_rope_rows(n, config.num_kv_heads)]
+        if kind in FLOAT_TYPES:
+            values = torch.from_numpy(np.ascontiguousarray(raw))
+            floats[name] = values.reshape(-1) if name.endswith(("norm.weight", ".bias")) else values
+            continue
+        if kind not in KERNEL_QTYPES or k % SUPER.get(kind, 32):
+            converted[kind] = converted.get(kind, 0) + 1
+        module = _quantized(raw, n, k, kind)
+        if name == "model.embed_tokens.weight":
+            quantized_embedding = module
+        else:
+            _swap(model, name.removesuffix(".weight"), module)
+    if converted:
+        log.info("GGUF tensors stored as Q8_0 (the kernels do not multiply their format): %s",
+                 ", ".join(f"{count} {kind}" for kind, count in sorted(converted.items())))
+    tied = not _has(reader, "output.weight")  # the embedding is the output layer too
+    if quantized_embedding is not None:
+        model.model.embed_tokens = QuantizedEmbedding(quantized_embedding, dtype)
+        if tied:
+            model.lm_head = quantized_embedding  # the same bytes
+    elif tied and "model.embed_tokens.weight" in floats:
+        floats["lm_head.weight"] = floats["model.embed_tokens.weight"]
+    expected = {name for name, p in model.named_parameters() if p.is_meta}
+    missing = sorted(expected - floats.keys())
+    if missing:
+        raise ModelLoadError(f"{path} lacks {len(missing)} tensors: {missing[:4]}")
+    state = {name: floats[name].to(dtype) for name in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _has(reader, name: str) -> bool:
+    return any(t.name == name for t in reader.tensors)
+
+
+def _swap(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not isinstance(getattr(parent, child, None), Linear):
+        raise ModelLoadError(f"GGUF tensor {dotted} is not a projection of this model")
+    setattr(parent, child, module)
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes the model's weights take once loaded (the memory planner's figure): each
+    quantized tensor in the kernel's layout, float tensors as float32."""
+    import gguf
+
+    from gpu_runtime.quantized import BLOCK_ROWS, _kernel
+
+    reader = _reader(path)
+    lib = _kernel()
+    total = 0
+    for tensor in reader.tensors:
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        shape = [int(v) for v in tensor.shape]
+        k, n = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        if kind in FLOAT_TYPES:
+            total += n * k * 4
+            continue
+        qtype = KERNEL_QTYPES.get(kind, KERNEL_QTYPES["Q8_0"])
+        per_block = lib.sluice_qblock_bytes(qtype, k) or lib.sluice_qblock_bytes(1, k)
+        total += -(-n // BLOCK_ROWS) * per_block
+    return total

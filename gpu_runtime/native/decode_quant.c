@@ -1,0 +1,392 @@
+/* The decode step's products on quantized weights (GGUF's Q8_0, Q6_K, Q5_0, Q4_K, Q4_0,
+   Q4_1), inside decode_layers.c's OpenMP region as decode_products.c's float products are.
+
+   As llama.cpp does, the step's input rows are quantized first (quantize_acts: per 32
+   values, d = max|x| / 127 and round(x / d) as int8, with the sums of each 16), and each
+   product is integer dot products of those bytes with the weights' bytes, scaled per
+   group afterwards: AVX512-VNNI's vpdpbusd where the build has it (-mavx512vnni), else
+   vpmaddubsw + vpmaddwd (AVX-512BW or AVX2). Both multiply unsigned bytes by signed ones,
+   so the weights are stored unsigned: a format's signed values plus an offset (Q8_0
+   128, Q6_K 32, Q5_0 16), the offset's share taken off with the input's group sums
+   (offset * sum(x) per group) -- except Q8_0 without VNNI, whose 255 * 127 pairs would
+   overflow vpmaddubsw's 16 bits: there the offset is flipped off in registers and the
+   input's signs moved onto the weights (|x| * sign(w, x), llama.cpp's way).
+
+   The weights are laid out for this kernel at load (gpu_runtime/quantized.py): blocks of
+   32 output rows, each one contiguous stream split between threads by blocks, as the
+   float products'. A block is its weight bytes, then its scales:
+     8-bit (Q8_0, Q5_0, Q6_K): [K/4][32][4] bytes, byte j of a row's 4 at k = 4g + j;
+     4-bit (Q4_K, Q4_0, Q4_1): [K/8][32][4] bytes, the low nibble of byte j at k = 8g + j
+       and the high one at k = 8g + 4 + j (one load: both halves of 8 values);
+     Q8_0, Q5_0: d [K/32][32] float16;
+     Q6_K: d [K/256][32] float16, then sc [K/16][32] int8 (value d * sc * (q - 32));
+     Q4_K: d [K/256][32] and dmin [K/256][32] float16, then sc [K/32][32] and m [K/32][32]
+       uint8 (value d * sc * q - dmin * m); Q4_0 and Q4_1 the same with 32 for 256
+       (Q4_0: sc 1, m 8, dmin d; Q4_1: sc 1, m 1, dmin -min).
+   Within a block the 32 rows' bytes for 4 (or 8) inputs are one 128-byte line: each
+   broadcast input group multiplies 32 outputs at once, no horizontal sums.
+
+   Included by decode_layers.c after decode_products.c (it reads COLS, store_block and
+   thread_part). */
+
+enum { Q_FLOAT = 0, Q8_0 = 1, Q5_0 = 2, Q6_K = 3, Q4_K = 4, Q4_32 = 5 };
+
+#if SIMD16_ISA == 512
+#define QROW_GROUP 4  /* rows a block's quantized products hold at once: 32 zmm */
+#else
+#define QROW_GROUP 2
+#endif
+
+/* ---- 16 lanes of 4 bytes (one lane: a row's 4 bytes, or a 32-bit sum) ---- */
+#if SIMD16_ISA == 512
+typedef __m512i vq;
+static inline vq vq_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vq vq_zero(void) { return _mm512_setzero_si512(); }
+static inline vq vq_bcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline vq vq_sub_i32(vq a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+static inline vq vq_lo4(vq v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline vq vq_hi4(vq v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+static inline vf vq_float(vq v) { return _mm512_cvtepi32_ps(v); }
+/* acc + per lane the 4-byte dot product of u (unsigned) and s (signed); without VNNI
+   exact while each pair's sum fits 16 bits */
+#ifdef __AVX512VNNI__
+#define Q_VNNI 1
+static inline vq vq_dot(vq acc, vq u, vq s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+#define Q_VNNI 0
+static inline vq vq_dot(vq acc, vq u, vq s) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+/* as vq_dot with both signed (|values| <= 127): |x| times w carrying x's sign */
+static inline vq vq_dot_signed(vq acc, vq w, vq x) {
+    const __mmask64 negative = _mm512_movepi8_mask(x);
+    return vq_dot(acc, _mm512_abs_epi8(x), _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w));
+}
+static inline vq vq_flip(vq v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
+/* 16 float16, int8 or uint8 as float32 */
+static inline vf vf_from_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_from_i8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf vf_from_u8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+#else
+#define Q_VNNI 0
+typedef struct { __m256i lo, hi; } vq;
+static inline vq vq_load(const void *p) {
+    return (vq){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+static inline vq vq_zero(void) { return (vq){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline vq vq_bcast(const int8_t *p) {
+    int32_t v; memcpy(&v, p, 4);
+    const __m256i b = _mm256_set1_epi32(v);
+    return (vq){b, b};
+}
+static inline vq vq_sub_i32(vq a, int32_t s) {
+    const __m256i b = _mm256_set1_epi32(s);
+    return (vq){_mm256_sub_epi32(a.lo, b), _mm256_sub_epi32(a.hi, b)};
+}
+static inline vq vq_lo4(vq v) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return (vq){_mm256_and_si256(v.lo, m), _mm256_and_si256(v.hi, m)};
+}
+static inline vq vq_hi4(vq v) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return (vq){_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), m)};
+}
+static inline vf vq_float(vq v) { return (vf){_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+static inline __m256i dot8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline vq vq_dot(vq acc, vq u, vq s) { return (vq){dot8(acc.lo, u.lo, s.lo), dot8(acc.hi, u.hi, s.hi)}; }
+static inline vq vq_dot_signed(vq acc, vq w, vq x) {
+    return (vq){dot8(acc.lo, _mm256_abs_epi8(x.lo), _mm256_sign_epi8(w.lo, x.lo)),
+                dot8(acc.hi, _mm256_abs_epi8(x.hi), _mm256_sign_epi8(w.hi, x.hi))};
+}
+static inline vq vq_flip(vq v) {
+    const __m256i m = _mm256_set1_epi8((char)0x80);
+    return (vq){_mm256_xor_si256(v.lo, m), _mm256_xor_si256(v.hi, m)};
+}
+static inline vf vf_from_f16(const void *p) {
+    return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + 1))};
+}
+static inline vf vf_from_i8(const void *p) {
+    return (vf){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + 8))))};
+}
+static inline vf vf_from_u8(const void *p) {
+    return (vf){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + 8))))};
+}
+#endif
+
+/* The step's input rows, quantized: q [M][K] int8, d [M][K/32] (q * d ~ x), and the sum
+   of q over each 16 inputs [M][K/16]. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sum16;
+} qacts;
+
+/* Bytes of scratch quantized rows need: M rows of K inputs (sluice_quant_scratch_bytes). */
+static inline int64_t qacts_bytes(int64_t M, int64_t K)
+{
+    return M * K + M * (K / 32) * 4 + M * (K / 16) * 4 + 192;
+}
+
+static inline qacts qacts_at(void *scratch, int64_t M, int64_t K)
+{
+    char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    qacts a;
+    a.q = (int8_t *)at;
+    a.d = (float *)(at + ((M * K + 63) & ~63));
+    a.sum16 = (int32_t *)((char *)a.d + ((M * (K / 32) * 4 + 63) & ~63));
+    return a;
+}
+
+/* x [M][K] (float32 or bfloat16) quantized into a, 32 values at a time (shared out
+   between the region's threads; a barrier after). */
+static void quantize_acts(const void *x, int M, int64_t K, int bf16, qacts a)
+{
+    const int64_t groups = K / 32;
+    #pragma omp for schedule(static)
+    for (int64_t j = 0; j < M * groups; j++) {
+        const int64_t m = j / groups, g = j % groups, at = m * K + g * 32;
+        const vf v0 = load16(elem(x, at, bf16), bf16), v1 = load16(elem(x, at + 16, bf16), bf16);
+        const vf amax = vf_max(vf_max(v0, vf_sub(vf_zero(), v0)), vf_max(v1, vf_sub(vf_zero(), v1)));
+        const float d = vf_reduce_max(amax) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        float r[32];
+        vf_storeu(r, vf_round(vf_mul(v0, vf_set1(id))));
+        vf_storeu(r + 16, vf_round(vf_mul(v1, vf_set1(id))));
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)r[i];
+            a.q[at + i] = (int8_t)v;
+            if (i < 16) s0 += v; else s1 += v;
+        }
+        a.d[m * groups + g] = d;
+        a.sum16[m * (K / 16) + 2 * g] = s0;
+        a.sum16[m * (K / 16) + 2 * g + 1] = s1;
+    }
+}
+
+/* The 32 outputs of one block for M (<= QROW_GROUP) rows, 8-bit weights with one
+   float16 scale per 32 inputs (Q8_0: offset 128; Q5_0: offset 16). */
+static inline __attribute__((always_inline)) void
+qcols_8(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int offset, const int M,
+        vf out[2][ROW_GROUP])
+{
+    const uint16_t *scales = (const uint16_t *)(wb + 32 * K);  /* [K/32][32] */
+    const int signed_path = offset == 128 && !Q_VNNI;
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) out[c][m] = vf_zero();
+    for (int64_t g = 0; g < K / 32; g++) {
+        vq acc[2][QROW_GROUP];
+        for (int c = 0; c < 2; c++)
+            for (int m = 0; m < M; m++) acc[c][m] = vq_zero();
+        const uint8_t *w = wb + g * 32 * 32;
+        _mm_prefetch((const char *)(w + 8 * 1024), _MM_HINT_T0);
+        for (int step = 0; step < 8; step++) {  /* 4 inputs a step */
+            const uint8_t *ws = w + step * 128;
+            _mm_prefetch((const char *)(ws + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + 2048 + 64), _MM_HINT_T0);
+            vq w0 = vq_load(ws), w1 = vq_load(ws + 64);
+            if (signed_path) { w0 = vq_flip(w0); w1 = vq_flip(w1); }
+            for (int m = 0; m < M; m++) {
+                const vq xb = vq_bcast(a->q + (m0 + m) * K + g * 32 + step * 4);
+                if (signed_path) {
+                    acc[0][m] = vq_dot_signed(acc[0][m], w0, xb);
+                    acc[1][m] = vq_dot_signed(acc[1][m], w1, xb);
+                } else {
+                    acc[0][m] = vq_dot(acc[0][m], w0, xb);
+                    acc[1][m] = vq_dot(acc[1][m], w1, xb);
+                }
+            }
+        }
+        const vf d0 = vf_from_f16(scales + g * 32), d1 = vf_from_f16(scales + g * 32 + 16);
+        for (int m = 0; m < M; m++) {
+            const int64_t row = m0 + m;
+            const int32_t shift = signed_path ? 0 : offset * (a->sum16[row * (K / 16) + 2 * g]
+                                                              + a->sum16[row * (K / 16) + 2 * g + 1]);
+            const vf dx = vf_set1(a->d[row * (K / 32) + g]);
+            out[0][m] = vf_fmadd(vq_float(vq_sub_i32(acc[0][m], shift)), vf_mul(d0, dx), out[0][m]);
+            out[1][m] = vf_fmadd(vq_float(vq_sub_i32(acc[1][m], shift)), vf_mul(d1, dx), out[1][m]);
+        }
+    }
+}
+
+/* Q6_K: 8-bit weights q + 32 (0..63), d per 256 inputs and an int8 scale per 16. */
+static inline __attribute__((always_inline)) void
+qcols_6k(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, vf out[2][ROW_GROUP])
+{
+    const uint16_t *d = (const uint16_t *)(wb + 32 * K);            /* [K/256][32] */
+    const int8_t *sc = (const int8_t *)(wb + 32 * K + (K / 256) * 64);  /* [K/16][32] */
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) out[c][m] = vf_zero();
+    for (int64_t g = 0; g < K / 16; g++) {
+        vq acc[2][QROW_GROUP];
+        for (int c = 0; c < 2; c++)
+            for (int m = 0; m < M; m++) acc[c][m] = vq_zero();
+        const uint8_t *w = wb + g * 16 * 32;
+        for (int step = 0; step < 4; step++) {
+            const uint8_t *ws = w + step * 128;
+            _mm_prefetch((const char *)(ws + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + 2048 + 64), _MM_HINT_T0);
+            const vq w0 = vq_load(ws), w1 = vq_load(ws + 64);
+            for (int m = 0; m < M; m++) {
+                const vq xb = vq_bcast(a->q + (m0 + m) * K + g * 16 + step * 4);
+                acc[0][m] = vq_dot(acc[0][m], w0, xb);
+                acc[1][m] = vq_dot(acc[1][m], w1, xb);
+            }
+        }
+        const int64_t sb = g / 16;
+        const vf s0 = vf_mul(vf_from_f16(d + sb * 32), vf_from_i8(sc + g * 32));
+        const vf s1 = vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_i8(sc + g * 32 + 16));
+        for (int m = 0; m < M; m++) {
+            const int64_t row = m0 + m;
+            const int32_t shift = 32 * a->sum16[row * (K / 16) + g];
+            const vf dx = vf_set1(a->d[row * (K / 32) + g / 2]);
+            out[0][m] = vf_fmadd(vq_float(vq_sub_i32(acc[0][m], shift)), vf_mul(s0, dx), out[0][m]);
+            out[1][m] = vf_fmadd(vq_float(vq_sub_i32(acc[1][m], shift)), vf_mul(s1, dx), out[1][m]);
+        }
+    }
+}
+
+/* 4-bit weights (0..15), per `super` inputs d and dmin (float16), per 32 a scale and a
+   min (uint8): value d * sc * q - dmin * m (Q4_K: super 256; Q4_0, Q4_1: 32). */
+static inline __attribute__((always_inline)) void
+qcols_4(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int64_t super, const int M,
+        vf out[2][ROW_GROUP])
+{
+    const int64_t supers = K / super;
+    const uint16_t *d = (const uint16_t *)(wb + 16 * K);  /* [K/super][32] */
+    const uint16_t *dmin = d + supers * 32;                /* [K/super][32] */
+    const uint8_t *sc = (const uint8_t *)(dmin + supers * 32);  /* [K/32][32] */
+    const uint8_t *mins = sc + (K / 32) * 32;                    /* [K/32][32] */
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) out[c][m] = vf_zero();
+    for (int64_t g = 0; g < K / 32; g++) {
+        vq acc[2][QROW_GROUP];
+        for (int c = 0; c < 2; c++)
+            for (int m = 0; m < M; m++) acc[c][m] = vq_zero();
+        const uint8_t *w = wb + g * 16 * 32;
+        for (int step = 0; step < 4; step++) {  /* 8 inputs a step */
+            const uint8_t *ws = w + step * 128;
+            _mm_prefetch((const char *)(ws + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + 2048 + 64), _MM_HINT_T0);
+            const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
+            const vq lo0 = vq_lo4(v0), lo1 = vq_lo4(v1), hi0 = vq_hi4(v0), hi1 = vq_hi4(v1);
+            for (int m = 0; m < M; m++) {
+                const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
+                const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
+                acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
+                acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
+            }
+        }
+        const int64_t sb = g * 32 / super;
+        const vf s0 = vf_mul(vf_from_f16(d + sb * 32), vf_from_u8(sc + g * 32));
+        const vf s1 = vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_u8(sc + g * 32 + 16));
+        const vf n0 = vf_mul(vf_from_f16(dmin + sb * 32), vf_from_u8(mins + g * 32));
+        const vf n1 = vf_mul(vf_from_f16(dmin + sb * 32 + 16), vf_from_u8(mins + g * 32 + 16));
+        for (int m = 0; m < M; m++) {
+            const int64_t row = m0 + m;
+            const float dxs = a->d[row * (K / 32) + g];
+            const vf dx = vf_set1(dxs);
+            const vf xsum = vf_set1(dxs * (float)(a->sum16[row * (K / 16) + 2 * g]
+                                                  + a->sum16[row * (K / 16) + 2 * g + 1]));
+            out[0][m] = vf_fnmadd(n0, xsum, vf_fmadd(vq_float(acc[0][m]), vf_mul(s0, dx), out[0][m]));
+            out[1][m] = vf_fnmadd(n1, xsum, vf_fmadd(vq_float(acc[1][m]), vf_mul(s1, dx), out[1][m]));
+        }
+    }
+}
+
+#if QROW_GROUP == 4
+#define QDISPATCH(call) switch (M) { \
+    case 1: { const int M_ = 1; call; } break; case 2: { const int M_ = 2; call; } break; \
+    case 3: { const int M_ = 3; call; } break; default: { const int M_ = 4; call; } break; }
+#else
+#define QDISPATCH(call) switch (M) { \
+    case 1: { const int M_ = 1; call; } break; default: { const int M_ = 2; call; } break; }
+#endif
+
+static void block_qcols(int64_t qtype, const qacts *a, int64_t m0, int64_t K, const uint8_t *wb,
+                        int M, vf out[2][ROW_GROUP])
+{
+    switch (qtype) {
+    case Q8_0: QDISPATCH(qcols_8(a, m0, K, wb, 128, M_, out)) break;
+    case Q5_0: QDISPATCH(qcols_8(a, m0, K, wb, 16, M_, out)) break;
+    case Q6_K: QDISPATCH(qcols_6k(a, m0, K, wb, M_, out)) break;
+    case Q4_K: QDISPATCH(qcols_4(a, m0, K, wb, 256, M_, out)) break;
+    default: QDISPATCH(qcols_4(a, m0, K, wb, 32, M_, out)) break;
+    }
+}
+
+/* Bytes of one 32-row block of a K-input projection stored as qtype. */
+static inline int64_t qblock_bytes(int64_t qtype, int64_t K)
+{
+    switch (qtype) {
+    case Q8_0: case Q5_0: return 32 * K + (K / 32) * 64;
+    case Q6_K: return 32 * K + (K / 256) * 64 + (K / 16) * 32;
+    case Q4_K: return 16 * K + (K / 256) * 128 + (K / 32) * 64;
+    case Q4_32: return 16 * K + (K / 32) * 128 + (K / 32) * 64;
+    default: return 0;
+    }
+}
+
+/* Whether a K-input projection can be stored as qtype. */
+static inline int qtype_fits(int64_t qtype, int64_t K)
+{
+    if (qtype == Q6_K || qtype == Q4_K) return K > 0 && K % 256 == 0;
+    return K > 0 && K % 32 == 0;
+}
+
+/* As `project` for quantized weights: x's rows quantized into scratch, then the blocks. */
+static void qproject(const sluice_proj *p, const void *x, int M, void *y, void *residual,
+                     int bf16, int y_f32, void *scratch)
+{
+    const int64_t K = p->in_features, N = p->out_features, bytes = qblock_bytes(p->qtype, K);
+    const qacts a = qacts_at(scratch, M, K);
+    quantize_acts(x, M, K, bf16, a);  /* a barrier after */
+    int64_t first, count;
+    thread_part((N + COLS - 1) / COLS, &first, &count);
+    for (int64_t blk = first; blk < first + count; blk++)
+        for (int m0 = 0; m0 < M; m0 += QROW_GROUP) {
+            const int rows = M - m0 < QROW_GROUP ? M - m0 : QROW_GROUP;
+            vf acc[2][ROW_GROUP];
+            const int64_t qtype = p->block_qtypes ? p->block_qtypes[blk] : p->qtype;
+            const int64_t at = p->block_offsets ? p->block_offsets[blk] : blk * bytes;
+            block_qcols(qtype, &a, m0, K, (const uint8_t *)p->weight + at, rows, acc);
+            store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16, y_f32);
+        }
+    #pragma omp barrier
+}
+
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+/* Row r of a quantized projection's weight as float32 [K] (the embedding's lookup). */
+static void dequantize_row(const sluice_proj *p, int64_t r, float *out)
+{
+    const int64_t K = p->in_features, blk = r / COLS, j = r % COLS;
+    const uint8_t *wb = (const uint8_t *)p->weight + blk * qblock_bytes(p->qtype, K);
+    if (p->qtype == Q8_0 || p->qtype == Q5_0 || p->qtype == Q6_K) {
+        const int offset = p->qtype == Q8_0 ? 128 : p->qtype == Q5_0 ? 16 : 32;
+        const uint16_t *d = (const uint16_t *)(wb + 32 * K);
+        const int8_t *sc = (const int8_t *)(wb + 32 * K + (K / 256) * 64);
+        for (int64_t k = 0; k < K; k++) {
+            const int q = (int)wb[(k / 4) * 128 + j * 4 + k % 4] - offset;
+            const float scale = p->qtype == Q6_K ? f16_to_f32(d[(k / 256) * 32 + j]) * (float)sc[(k / 16) * 32 + j]
+                                                 : f16_to_f32(d[(k / 32) * 32 + j]);
+            out[k] = scale * (float)q;
+        }
+        return;
+    }
+    const int64_t super = p->qtype == Q4_K ? 256 : 32, supers = K / super;
+    const uint16_t *d = (const uint16_t *)(wb + 16 * K), *dmin = d + supers * 32;
+    const uint8_t *sc = (const uint8_t *)(dmin + supers * 32), *mins = sc + (K / 32) * 32;
+    for (int64_t k = 0; k < K; k++) {
+        const uint8_t byte = wb[(k / 8) * 128 + j * 4 + k % 4];
+        const int q = k % 8 < 4 ? byte & 15 : byte >> 4;
+        const int64_t sb = k / super, g = k / 32;
+        out[k] = f16_to_f32(d[sb * 32 + j]) * (float)sc[g * 32 + j] * (float)q
+                 - f16_to_f32(dmin[sb * 32 + j]) * (float)mins[g * 32 + j];
+    }
+}
