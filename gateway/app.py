@@ -77,7 +77,6 @@ class Gateway(ResponsesRoutes):
         self._checker: Any = None
         self._pool: Any = None
         self._expiry: asyncio.Task[None] | None = None
-        self.metrics = GatewayMetrics()
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -91,6 +90,7 @@ class Gateway(ResponsesRoutes):
             Route("/ready", self.ready, methods=["GET"]),
             Route(METRICS_PATH, self.prometheus, methods=["GET"]),
         ]
+        self.metrics = GatewayMetrics(route.path for route in routes)
         self.app = Starlette(routes=routes, lifespan=self._lifespan, middleware=[
             Middleware(ObservedRequests, metrics=self.metrics, routes=routes),
             Middleware(_RequestIds)], exception_handlers={HTTPException: _http_error})

@@ -14,7 +14,7 @@ workers'; these say what the clients of this gateway got.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.routing import BaseRoute, Match
@@ -28,7 +28,9 @@ UNMATCHED = "unmatched"
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, routes: Iterable[str] = ()) -> None:
+        """`routes`: path templates whose duration series exist (zero) from the start, so
+        a route's first requests are a rise Prometheus sees, not where its series begins."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._requests = Counter("sluice_gateway_requests", "HTTP requests by route and "
@@ -38,6 +40,9 @@ class GatewayMetrics:
                                   buckets=SECONDS_BUCKETS, registry=r)
         self.in_flight = Gauge("sluice_gateway_requests_in_flight",
                                "HTTP requests not yet answered to their end.", registry=r)
+        for route in routes:
+            if route != METRICS_PATH:
+                self._seconds.labels(route)
 
     def observe(self, route: str, code: int, seconds: float) -> None:
         self._requests.labels(route, str(code)).inc()

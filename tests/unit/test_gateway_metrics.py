@@ -78,6 +78,13 @@ def test_requests_by_route_template_and_code() -> None:
     assert got[("sluice_gateway_requests_in_flight", frozenset())] == 0
 
 
+def test_routes_named_at_start_have_series_from_the_start() -> None:
+    got = samples(GatewayMetrics(["/v1/chat/completions", METRICS_PATH]))
+    route = frozenset({("route", "/v1/chat/completions")})
+    assert got[("sluice_gateway_request_seconds_count", route)] == 0
+    assert not any(dict(labels).get("route") == METRICS_PATH for _, labels in got)
+
+
 def test_a_stream_is_timed_to_its_last_chunk() -> None:
     metrics = GatewayMetrics()
     with TestClient(app_of(metrics)) as client:
