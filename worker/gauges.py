@@ -45,9 +45,11 @@ async def publish_gauges(loaded: LoadedModel, ingest_of: Callable[[], RequestIng
         metrics.set_adapters(len(loaded.adapters.names), len(slots.resident_adapters()),
                              slots.num_slots)
         consumer = ingest.consumer
-        assigned, paused = consumer.assignment(), consumer.paused()
-        ends = await _end_offsets(consumer, [tp for tp in assigned if tp in paused])
-        for tp, lag in partition_lags(assigned, consumer.highwater, ends,
+        paused = consumer.paused()
+        ends = await _end_offsets(consumer, [tp for tp in consumer.assignment()
+                                             if tp in paused])
+        # The assignment after the wait: a partition revoked meanwhile is not reported.
+        for tp, lag in partition_lags(consumer.assignment(), consumer.highwater, ends,
                                       tracker.commit_point).items():
             metrics.set_lag(tp.partition, lag)
 
