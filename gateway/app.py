@@ -5,8 +5,9 @@ model's request topic (`MODEL` or `MODEL:ADAPTER` as the model id); their
 events come back on this gateway's own reply topic (`<prefix>.gateway.<id>`,
 made at start) and go out as OpenAI's JSON or server-sent event chunks.
 `GET /v1/models` lists the models and adapters the caller's key is granted;
-`GET /health` says the gateway is up. The bearer token is the sluice API key:
-the workers check it, as for any request. The Kafka key is the `x-session-id`
+`GET /health` says the gateway is up; `GET /metrics` serves Prometheus metrics
+(`gateway.metrics`). The bearer token is the sluice API key: the workers check
+it, as for any request. The Kafka key is the `x-session-id`
 header, else a digest of the model and the conversation's opening, so every
 turn of a conversation reaches the worker holding its KV cache. A client that
 disconnects cancels its request (a cancel record: the worker stops it). A
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -39,6 +41,7 @@ from common.settings import Settings
 from common.topics import TopicAdmin, TopicSpec
 from gateway import openai_api as oai
 from gateway import openai_errors as errs
+from gateway.metrics import METRICS_PATH, GatewayMetrics, ObservedRequests
 from gateway.openai_stream import ToolCallStream
 from gateway.readiness import registered_at, serving_workers
 from gateway.responses import ResponsesRoutes
@@ -74,7 +77,7 @@ class Gateway(ResponsesRoutes):
         self._checker: Any = None
         self._pool: Any = None
         self._expiry: asyncio.Task[None] | None = None
-        self.app = Starlette(routes=[
+        routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -85,8 +88,12 @@ class Gateway(ResponsesRoutes):
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
-        ], lifespan=self._lifespan, middleware=[Middleware(_RequestIds)],
-            exception_handlers={HTTPException: _http_error})
+            Route(METRICS_PATH, self.prometheus, methods=["GET"]),
+        ]
+        self.metrics = GatewayMetrics(route.path for route in routes)
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, middleware=[
+            Middleware(ObservedRequests, metrics=self.metrics, routes=routes),
+            Middleware(_RequestIds)], exception_handlers={HTTPException: _http_error})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -150,6 +157,10 @@ class Gateway(ResponsesRoutes):
         ok = any(m["ready"] for m in models.values())
         return _JSON({"status": "ready" if ok else "not_ready", "models": models},
                      status_code=200 if ok else 503)
+
+    async def prometheus(self, _request: Request) -> Response:
+        """Prometheus metrics of this gateway (`gateway.metrics`)."""
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -44,6 +44,8 @@ class ResultsMetrics(Protocol):
 
     def observe_ttft(self, seconds: float) -> None: ...
 
+    def observe_end_to_end(self, seconds: float) -> None: ...
+
     def observe_prompt(self, num_prompt_tokens: int, num_cached_prompt_tokens: int) -> None: ...
 
     def observe_terminal(self, kind: Any, code: str | None = None) -> None: ...
@@ -118,6 +120,7 @@ class ResultWriter:
             return
         if self.metrics is not None:
             self.metrics.observe_ttft(timing.ttft_ms / 1000)
+            self.metrics.observe_end_to_end(timing.total_ms / 1000)
             self.metrics.observe_prompt(ctx.num_prompt_tokens, num_cached_prompt_tokens)
         self._observe_end(ctx.request_id, "done")
         *tail, terminal = records

@@ -3,7 +3,7 @@
 `WorkerMetrics` owns a private `CollectorRegistry` (never the library's
 global one), so two workers in one process — or one test per metric — never
 share counters. Every series carries `model` and `pool`; a few add one more
-label (`type`, `code`, `partition`).
+label (`type`, `code`, `partition`, `outcome`, `status`).
 
 The worker calls small typed methods at its events; rates (tokens/s, cache
 hit ratio) are left to PromQL, e.g.
@@ -54,6 +54,11 @@ TOKENS_PER_STEP_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 _BASE = ("model", "pool")
 
+# `sluice_worker_status`: the heartbeat's statuses (`sluice workers`), one series each.
+# "waiting (why)" is exported as "waiting": the why is free text, not a label value.
+WORKER_STATUSES = ("warming", "waiting", "serving", "serving (compiling)", "serving (compiled)",
+                   "idle", "stopping", "stopped")
+
 
 class WorkerMetrics:
     """All of a worker's series, bound to its model and pool."""
@@ -91,6 +96,13 @@ class WorkerMetrics:
         self._ttft = histogram("sluice_ttft_seconds",
                                "Time to first token, broker timestamp to first token.",
                                LATENCY_BUCKETS)
+        self._end_to_end = histogram("sluice_request_seconds",
+                                     "End to end, broker timestamp to the done event.",
+                                     LATENCY_BUCKETS)
+        # Labelled once known (the deployment's placement): never a misleading 0.
+        self._max_ttft = Gauge("sluice_max_ttft_seconds",
+                               "The model's max_ttft (placement): a request without its "
+                               "first token by then times out.", _BASE, registry=r)
         self._itl = histogram("sluice_inter_token_seconds",
                               "Time between consecutive tokens of one request.",
                               LATENCY_BUCKETS)
@@ -99,6 +111,12 @@ class WorkerMetrics:
                                "Prompt tokens found in the KV cache (not recomputed).")
         self._adapter_swaps = counter("sluice_adapter_swaps",
                                       "LoRA adapters loaded into a slot.")
+        self._adapters_loaded = gauge("sluice_adapters_loaded",
+                                      "LoRA adapters this replica serves (in host memory).")
+        self._adapter_slots_used = gauge("sluice_adapter_slots_used",
+                                         "Adapter slots holding an adapter (device memory).")
+        self._adapter_slots = gauge("sluice_adapter_slots",
+                                    "Adapter slots of the runtime (max_adapters).")
         self._timeouts = counter("sluice_request_timeouts",
                                  "Requests sent to the timeout topic.")
         self._dead_letters = counter("sluice_dead_lettered_records",
@@ -120,11 +138,16 @@ class WorkerMetrics:
         self._lag = Gauge("sluice_consumer_lag",
                           "Records of an assigned request partition not yet committed.",
                           (*_BASE, "partition"), registry=r)
+        self._statuses = dict.fromkeys(WORKER_STATUSES)  # ordered; grows, never shrinks
+        self._status = Gauge("sluice_worker_status",
+                             "1 for the worker's status now, 0 for the others.",
+                             (*_BASE, "status"), registry=r)
         # Zero-valued series from the start, so rate() and absent() behave.
         for kind in TERMINAL_KINDS:
             self._terminals.labels(model, pool, kind)
         for code in ErrorCode:
             self._errors.labels(model, pool, code.value)
+        self.set_status("warming")
 
     # ---- scheduler and runtime ---------------------------------------------------------
 
@@ -149,6 +172,23 @@ class WorkerMetrics:
     def add_adapter_swaps(self, num_swaps: int = 1) -> None:
         self._adapter_swaps.inc(num_swaps)
 
+    def set_adapters(self, num_loaded: int, num_slots_used: int, num_slots: int) -> None:
+        self._adapters_loaded.set(num_loaded)
+        self._adapter_slots_used.set(num_slots_used)
+        self._adapter_slots.set(num_slots)
+
+    # ---- the worker --------------------------------------------------------------------
+
+    def set_status(self, status: str) -> None:
+        """The heartbeat's status: its series is 1, every other status's 0."""
+        now = status if status in self._statuses else status.partition(" (")[0]
+        self._statuses.setdefault(now, None)  # a status added later gets a series too
+        for known in self._statuses:
+            self._status.labels(self.model, self.pool, known).set(1 if known == now else 0)
+
+    def set_max_ttft(self, seconds: float) -> None:
+        self._max_ttft.labels(self.model, self.pool).set(seconds)
+
     # ---- requests ----------------------------------------------------------------------
 
     def observe_ttft(self, seconds: float) -> None:
@@ -156,6 +196,9 @@ class WorkerMetrics:
 
     def observe_inter_token(self, seconds: float) -> None:
         self._itl.observe(max(0.0, seconds))
+
+    def observe_end_to_end(self, seconds: float) -> None:
+        self._end_to_end.observe(max(0.0, seconds))
 
     def observe_prompt(self, num_prompt_tokens: int, num_cached_prompt_tokens: int) -> None:
         """A served request's prompt: the cache hit ratio is cached / prompt."""

@@ -205,6 +205,7 @@ class Worker:
         self.tasks.spawn(self.heartbeat.run(), "heartbeat")
 
     def _set_status(self, status: str) -> None:
+        self.metrics.set_status(status)
         if self.heartbeat is not None:
             self.heartbeat.set_status(status)
 
@@ -341,6 +342,7 @@ class Worker:
             self._serving.clear()
         if self.ingest is not None:
             self.ingest.max_ttft_ms = dep.placement.max_ttft_ms
+        self.metrics.set_max_ttft(dep.placement.max_ttft_ms / 1000)
         self._update_status()
 
     async def _on_deployment(self, dep: ModelDeployment | None) -> None:

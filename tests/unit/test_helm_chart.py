@@ -240,3 +240,33 @@ def test_topic_job_two_pools(rendered: dict[str, list[Manifest]]) -> None:
         assert "message.timestamp.type=LogAppendTime" in line
     assert by_topic["sluice.results"].split()[2] == "16"
     assert {"sluice.timeouts", "sluice.deadletter"} <= by_topic.keys()
+
+
+def test_monitoring_objects_ship_the_chart_files(rendered: dict[str, list[Manifest]]) -> None:
+    """The PrometheusRule is files/alerts.yaml and the dashboard ConfigMap (labelled for
+    Grafana's sidecar) files/dashboard.json, unchanged; the PodMonitor scrapes every
+    worker's metrics port as the job the rules name. None of them unless enabled."""
+    import json
+
+    files = ROOT / "infra" / "helm" / "sluice" / "files"
+    docs = rendered["two-pools"]
+    (rule,) = of_kind(docs, "PrometheusRule").values()
+    assert rule["spec"] == yaml.safe_load((files / "alerts.yaml").read_text())
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (board,) = of_kind(docs, "ConfigMap").values()
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["annotations"] == {"grafana_folder": "sluice"}
+    assert json.loads(board["data"]["sluice.json"]) == json.loads(
+        (files / "dashboard.json").read_text())
+    (monitor,) = of_kind(docs, "PodMonitor").values()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert {"targetLabel": "job", "replacement": "sluice-worker"} in endpoint["relabelings"]
+    assert 'up{job="sluice-worker"}' in str(rule["spec"])
+    for dep in workers(docs).values():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ports = {p["name"]: p["containerPort"] for p in worker_container(dep)["ports"]}
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+    for name in ("default", "single-pool", "plain"):
+        kinds = {d["kind"] for d in rendered[name]}
+        assert not kinds & {"PrometheusRule", "PodMonitor", "ConfigMap"}, name

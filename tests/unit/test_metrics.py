@@ -68,6 +68,43 @@ def test_latencies(metrics: WorkerMetrics) -> None:
     assert value(metrics, "sluice_inter_token_seconds_sum") == pytest.approx(0.0008)
 
 
+def test_end_to_end_and_max_ttft(metrics: WorkerMetrics) -> None:
+    assert value(metrics, "sluice_max_ttft_seconds") is None  # unknown until placed
+    metrics.set_max_ttft(60.0)
+    metrics.set_max_ttft(0.25)
+    metrics.observe_end_to_end(0.3)
+    metrics.observe_end_to_end(-0.1)
+    assert value(metrics, "sluice_max_ttft_seconds") == 0.25
+    assert value(metrics, "sluice_request_seconds_count") == 2
+    assert value(metrics, "sluice_request_seconds_bucket", le="0.001") == 1
+    assert value(metrics, "sluice_request_seconds_bucket", le="0.25") == 1
+    assert value(metrics, "sluice_request_seconds_bucket", le="0.5") == 2
+
+
+def test_adapters(metrics: WorkerMetrics) -> None:
+    metrics.set_adapters(num_loaded=5, num_slots_used=3, num_slots=4)
+    assert value(metrics, "sluice_adapters_loaded") == 5
+    assert value(metrics, "sluice_adapter_slots_used") == 3
+    assert value(metrics, "sluice_adapter_slots") == 4
+
+
+def test_status_is_one_series_per_status(metrics: WorkerMetrics) -> None:
+    def statuses() -> dict[str, float]:
+        return {s: v for s in ("warming", "waiting", "serving", "serving (compiled)", "idle",
+                               "stopping") if (v := value(metrics, "sluice_worker_status",
+                                                          status=s)) is not None}
+
+    assert statuses() == {"warming": 1, "waiting": 0, "serving": 0, "serving (compiled)": 0,
+                          "idle": 0, "stopping": 0}
+    metrics.set_status("serving (compiled)")
+    assert [s for s, v in statuses().items() if v == 1] == ["serving (compiled)"]
+    metrics.set_status("waiting (the database is away)")  # free text is not a label
+    assert [s for s, v in statuses().items() if v == 1] == ["waiting"]
+    metrics.set_status("draining")  # a status added later: a series of its own
+    assert value(metrics, "sluice_worker_status", status="draining") == 1
+    assert value(metrics, "sluice_worker_status", status="waiting") == 0
+
+
 def test_cache_hit_counters(metrics: WorkerMetrics) -> None:
     metrics.observe_prompt(120, 96)
     metrics.observe_prompt(30, 0)
@@ -106,6 +143,21 @@ def test_lag_per_partition(metrics: WorkerMetrics) -> None:
     metrics.forget_partition(3)
     metrics.forget_partition(9)  # never set: no error
     assert value(metrics, "sluice_consumer_lag", partition="3") is None
+
+
+def test_lag_of_a_paused_partition_comes_from_the_broker() -> None:
+    """A paused partition's highwater stands still while records arrive: its end offset
+    (asked of the broker) counts instead; a partition with no known end is left out."""
+    from aiokafka import TopicPartition
+
+    from worker.gauges import partition_lags
+
+    tp0, tp1, tp2, tp3 = (TopicPartition("t", i) for i in range(4))
+    highwater = {tp0: 10, tp1: 10, tp2: None, tp3: 7}
+    points = {tp0: (4, "h=9"), tp1: (4, "h=9"), tp3: None}
+    lags = partition_lags([tp0, tp1, tp2, tp3], highwater.get, {tp1: 25},
+                          lambda tp: points.get(tp))
+    assert lags == {tp0: 6, tp1: 21, tp3: 0}
 
 
 def test_render_is_text_format(metrics: WorkerMetrics) -> None:
