@@ -61,8 +61,10 @@ class _SluiceRunner:
         from gpu_runtime import Runtime, RuntimeConfig
 
         torch.set_num_threads(threads)
+        # a GGUF file's variant names its quantization: the file decides (float32 activations)
         self.rt = Runtime(path, RuntimeConfig(
-            device="cpu", dtype=dtype.split()[0], kv_cache_len=16384,
+            device="cpu", dtype=None if path.endswith(".gguf") else dtype.split()[0],
+            kv_cache_len=16384,
             max_num_batched_tokens=1024, cpu_prepack=dtype != UNPACKED,
             cpu_native_attention=dtype != TORCH_ATTENTION,
             cpu_native_decode=dtype not in (TORCH_DECODE, TORCH_ATTENTION)))

@@ -24,13 +24,16 @@ def register(app: typer.Typer) -> None:
     def import_gguf_cmd(
         gguf_file: Annotated[Path, typer.Argument(help="The .gguf file.")],
         directory: Annotated[Path, typer.Argument(help="New folder to write the model into.")],
-        dtype: Annotated[str, typer.Option(
-            "--dtype", help="float32 | bfloat16 | float16: the weights written.")] = "float32",
+        dtype: Annotated[str | None, typer.Option(
+            "--dtype", help="float32 | bfloat16 | float16: write the weights dequantized "
+            "(a GPU serves those). Without it the file's quantization is kept.")] = None,
     ) -> None:
-        """Turn a GGUF file into a model folder sluice serves (weights dequantized).
+        """Turn a GGUF file into a model folder sluice serves.
 
-        Reads the file with transformers and the gguf package; writes config.json,
-        generation_config.json, model.safetensors and the tokenizer with its chat template.
+        Reads the metadata with transformers and the gguf package; writes config.json,
+        generation_config.json and the tokenizer with its chat template, and beside them
+        the file itself (model.gguf: served in its own quantization on the CPU), or with
+        --dtype the weights dequantized into model.safetensors.
         """
         from modelfiles.gguf_import import GgufImportError, import_gguf
 

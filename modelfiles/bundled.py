@@ -44,5 +44,5 @@ def smollm2_dir(cache_root: Path | None = None,
         if not (out / "model.safetensors").is_file():
             from modelfiles.gguf_import import import_gguf
 
-            import_gguf(gguf_file, out, say=say)
+            import_gguf(gguf_file, out, dtype="float32", say=say)  # the float reference
     return out

@@ -4,8 +4,9 @@ transformers reads GGUF (with the `gguf` package) and dequantizes the weights;
 it refuses to save a model loaded that way, so the weights are written here with
 safetensors, beside the config, the generation config and the tokenizer files
 (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`) it rebuilt
-from the file's metadata. The result is plain float weights: the file's
-quantization is not kept.
+from the file's metadata. With `dtype` the result is plain float weights
+(what a GPU serves); without it the folder keeps the file itself as `model.gguf`
+beside the metadata, served in its own quantization (gpu_runtime/gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ class GgufImportError(ValueError):
     pass
 
 
-def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "float32",
+def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str | None = None,
                 say: Callable[[str], None] = print) -> Path:
     """Writes the model to `out_dir` (made whole in a temporary folder beside it first,
-    so an interrupted import never leaves a half model that looks complete)."""
+    so an interrupted import never leaves a half model that looks complete). dtype None:
+    the file's quantization kept; else its weights dequantized to that dtype."""
+    if dtype is None:
+        return _import_quantized(gguf_file, out_dir, say)
     try:
         import gguf  # noqa: F401 - transformers needs it; say so before its own error
         import torch
@@ -88,3 +92,40 @@ def _write(model, tokenizer, out: Path, save_file) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
+
+
+def _import_quantized(gguf_file: Path, out_dir: Path, say: Callable[[str], None]) -> Path:
+    """The metadata's files and the GGUF itself (a hard link where the file system
+    allows, else a copy) as `model.gguf`."""
+    import os
+
+    from gpu_runtime.errors import ModelLoadError
+    from gpu_runtime.gguf_folder import LINK_NAME, write_metadata
+
+    gguf_file = gguf_file.resolve()
+    if not gguf_file.is_file():
+        raise GgufImportError(f"no such file: {gguf_file}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise GgufImportError(f"{out_dir} is not an empty folder; choose a new one")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)
+    try:
+        say(f"reading the config and tokenizer of {gguf_file.name}")
+        try:
+            architecture = write_metadata(gguf_file, staging)
+        except ModelLoadError as exc:
+            raise GgufImportError(str(exc)) from None
+        try:
+            os.link(gguf_file, staging / LINK_NAME)
+        except OSError:  # another file system, or links refused: a copy
+            say("copying the file")
+            shutil.copyfile(gguf_file, staging / LINK_NAME)
+        if out_dir.exists():
+            out_dir.rmdir()
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    say(f"wrote {architecture} to {out_dir} (weights in {LINK_NAME}, quantization kept)")
+    return out_dir
