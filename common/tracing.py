@@ -9,26 +9,26 @@ onto its replies unchanged (a header, no spans), so the producer's trace still
 reaches the consumer.
 
 Tracing is off unless the standard OpenTelemetry variables ask for it:
-`OTEL_TRACES_EXPORTER=otlp` (or `console`), or an OTLP endpoint
-(`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) with no
-exporter named; `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` keep it
-off. Everything else (service name, resource attributes, sampler, batch
-processor, endpoint, headers, timeout) is the SDK's own handling of its
-`OTEL_*` variables; the service name defaults to the process's role
-(`sluice-worker`, `sluice-gateway`). Export is OTLP over http/protobuf (the
-lightest exporter; the `otel` extra installs it).
+`OTEL_TRACES_EXPORTER=otlp`, or an OTLP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) with no exporter named;
+`OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` keep it off. The service
+name, resource attributes and sampler are the SDK's own reading of its
+`OTEL_*` variables (the service name defaults to the process's role:
+`sluice-worker`, `sluice-gateway`); export is OTLP over http/protobuf
+(`common.otlp`, which says why it does not use the SDK's span objects).
 
 Off, nothing here imports opentelemetry and a `Tracing` is one falsy check;
-asked for with the extra missing, it says so in one log line and stays off.
-Spans are made with explicit start and end times: the request path records
-plain timestamps, and its spans are built once it ends (`Tracing.span`), so
-nothing but a list append happens per model step.
+asked for with the `otel` extra missing, it says so in one log line and stays
+off. Spans carry explicit start and end times: the request path records plain
+timestamps, and a request's spans are made once it ends (`Tracing.span`: a
+tuple queued for the export thread), so a model step costs a list append.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +43,8 @@ Headers = list[tuple[str, bytes]]
 Attributes = Mapping[str, str | bool | int | float]
 # (name, wall-clock seconds, attributes): an event of a span.
 SpanEvent = tuple[str, float, Attributes]
+# A model step a request rode in: (started, seconds, its tokens, requests in the step).
+Step = tuple[float, float, int, int]
 
 # W3C trace context, level 1: version-traceid-parentid-flags; a later version may append.
 _TRACEPARENT_RE = re.compile(
@@ -114,7 +116,7 @@ def trace_headers(traceparent: str | None, tracestate: str | None = None) -> Hea
 
 
 def traces_wanted(environ: Mapping[str, str]) -> str | None:
-    """The exporter the OTEL_* variables ask for ("otlp" or "console"), or None: off."""
+    """The exporter the OTEL_* variables ask for ("otlp"), or None: off."""
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     named = environ.get("OTEL_TRACES_EXPORTER")
@@ -122,46 +124,62 @@ def traces_wanted(environ: Mapping[str, str]) -> str | None:
         return "otlp" if any(environ.get(name) for name in _OTLP_ENDPOINTS) else None
     wanted = [n.strip().lower() for n in named.split(",") if n.strip()]
     for name in wanted:
-        if name in ("otlp", "console"):
+        if name == "otlp":
             return name
     if any(name != "none" for name in wanted):
         log.warning("OTEL_TRACES_EXPORTER=%s: sluice exports traces only with otlp "
-                    "(http/protobuf) or console; tracing is off", named)
+                    "(http/protobuf); tracing is off", named)
     return None
 
 
 class Span:
     """A span begun now and ended later (a request's own span): its context goes on the
-    records written for it."""
+    records written for it (`headers`)."""
 
-    __slots__ = ("headers", "otel")
+    __slots__ = ("attributes", "headers", "kind", "name", "parent_id", "sampled", "span_id",
+                 "start_ns", "trace_id", "trace_state")
 
-    def __init__(self, otel: Any, headers: Headers):
-        self.otel = otel
+    def __init__(self, trace_id: bytes, span_id: bytes, parent_id: bytes, trace_state: str,
+                 sampled: bool, name: str, kind: int, start_ns: int,
+                 attributes: dict[str, Any] | None):
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_id = parent_id
+        self.trace_state = trace_state
+        self.sampled = sampled
+        self.name = name
+        self.kind = kind
+        self.start_ns = start_ns
+        self.attributes = attributes
+        flags = "01" if sampled else "00"
+        headers: Headers = [(TRACEPARENT,
+                             f"00-{trace_id.hex()}-{span_id.hex()}-{flags}".encode())]
+        if trace_state:
+            headers.append((TRACESTATE, trace_state.encode()))
         self.headers = headers  # traceparent (+ tracestate) naming this span
 
 
 class Tracing:
-    """The spans of one process: off (the default), or exported by a BatchSpanProcessor.
+    """The spans of one process: off (the default), or exported over OTLP (`common.otlp`).
 
     Falsy when off; callers test it (`if tracing:`) before doing any work for a trace.
     """
 
-    def __init__(self, provider: Any = None):
-        self._provider = provider
-        self._tracer: Any = None
-        if provider is not None:
-            from opentelemetry import trace
-            from opentelemetry.sdk.trace import SpanLimits
-            from opentelemetry.trace.propagation.tracecontext import (
-                TraceContextTextMapPropagator,
-            )
+    def __init__(self, exporter: Any = None, sampler: Any = None,
+                 max_events: int | None = None):
+        self._exporter = exporter
+        self._sampler = sampler  # the SDK's (OTEL_TRACES_SAMPLER); None: parent's choice
+        # Events one span keeps (OTEL_SPAN_EVENT_COUNT_LIMIT); None: no limit.
+        self.max_events = max_events
+        self._random = random.Random()
+        if exporter is not None:  # imported once here, never on the request path
+            from common import otlp
 
-            self._tracer = provider.get_tracer("sluice")
-            self._api = trace  # imported once here, never on the request path
-            self._propagator = TraceContextTextMapPropagator()
-            # Events one span keeps (OTEL_SPAN_EVENT_COUNT_LIMIT); None: no limit.
-            self.max_events: int | None = SpanLimits().max_events
+            self._otlp = otlp
+        if sampler is not None:
+            from opentelemetry import trace
+
+            self._api = trace
 
     @classmethod
     def off(cls) -> Tracing:
@@ -170,14 +188,12 @@ class Tracing:
     @classmethod
     def from_env(cls, default_service: str,
                  environ: Mapping[str, str] | None = None) -> Tracing:
-        """Tracing as the OTEL_* variables ask (read once, at start-up); off without them.
-        The SDK reads its own variables from the process environment."""
+        """Tracing as the OTEL_* variables ask (read once, at start-up); off without them."""
         env = os.environ if environ is None else environ
-        exporter = traces_wanted(env)
-        if exporter is None:
+        if traces_wanted(env) is None:
             return cls.off()
         try:
-            return cls._exporting(exporter, default_service, env)
+            return cls._exporting(default_service, env)
         except ImportError as exc:
             log.warning("the OTEL_* settings ask for traces, but the OpenTelemetry packages "
                         "are not installed (%s): install sluice-engine[otel]; tracing is off",
@@ -185,75 +201,93 @@ class Tracing:
             return cls.off()
 
     @classmethod
-    def _exporting(cls, exporter: str, default_service: str,
-                   env: Mapping[str, str]) -> Tracing:
+    def _exporting(cls, default_service: str, env: Mapping[str, str]) -> Tracing:
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
+        from common.otlp import Exporter
+
+        protocol = next((env[p] for p in _PROTOCOLS if env.get(p)), "http/protobuf")
+        if protocol.strip() != "http/protobuf":
+            log.warning("OTLP protocol %r asked for: sluice exports http/protobuf only "
+                        "(a collector's port 4318 by default)", protocol)
+        # The SDK's own reading of OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES and
+        # OTEL_TRACES_SAMPLER (its default: parent-based, always on).
         attributes = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": default_service}
-        provider = TracerProvider(resource=Resource.create(attributes),
-                                  shutdown_on_exit=False)
-        if exporter == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            protocol = next((env[p] for p in _PROTOCOLS if env.get(p)), "http/protobuf")
-            if protocol.strip() != "http/protobuf":
-                log.warning("OTLP protocol %r asked for: sluice exports http/protobuf only "
-                            "(its collector port, 4318 by default)", protocol)
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        log.info("tracing on: %s export as service %s", exporter,
-                 provider.resource.attributes.get("service.name"))
-        return cls(provider)
+        resource = Resource.create(attributes)
+        sampler = TracerProvider(resource=resource, shutdown_on_exit=False).sampler
+        if sampler.get_description() == ParentBased(ALWAYS_ON).get_description():
+            sampler = None  # the default: the same choice without a call per request
+        exporter = Exporter(env, resource.attributes, "sluice")
+        log.info("tracing on: OTLP to %s as service %s", exporter.endpoint,
+                 resource.attributes.get("service.name"))
+        return cls(exporter, sampler, SpanLimits().max_events)
 
     def __bool__(self) -> bool:
-        return self._tracer is not None
+        return self._exporter is not None
 
     # ---- spans ------------------------------------------------------------------------
 
     def begin(self, name: str, parent: Sequence[tuple[str, bytes]] | None, start: float,
-              *, kind: str = "internal", attributes: Attributes | None = None) -> Span:
+              *, kind: str = "internal", attributes: dict[str, Any] | None = None) -> Span:
         """A span begun at `start` (wall-clock seconds), a child of the span that
         `parent` (a record's trace-context headers) names, else a new trace's root."""
-        api = self._api
-        context = None
-        if parent:
-            context = self._propagator.extract({k: v.decode("latin-1") for k, v in parent})
-        otel = self._tracer.start_span(name, context, kind=api.SpanKind[kind.upper()],
-                                       attributes=attributes, start_time=_ns(start))
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, api.set_span_in_context(otel))
-        return Span(otel, [(k, v.encode()) for k, v in carrier.items()])
+        found = dict(parent) if parent else {}
+        context = parse_traceparent(found[TRACEPARENT]) if TRACEPARENT in found else None
+        state = found[TRACESTATE].decode("latin-1") if TRACESTATE in found else ""
+        bits = self._random.getrandbits
+        if context is not None:
+            trace_id, parent_id = bytes.fromhex(context.trace_id), bytes.fromhex(context.span_id)
+        else:
+            trace_id, parent_id, state = bits(128).to_bytes(16, "big"), b"", ""
+        sampled = self._sample(context, trace_id, name, kind, state)
+        return Span(trace_id, bits(64).to_bytes(8, "big"), parent_id, state, sampled, name,
+                    self._otlp.KINDS[kind], _ns(start), attributes)
+
+    def _sample(self, context: TraceParent | None, trace_id: bytes, name: str, kind: str,
+                state: str) -> bool:
+        if self._sampler is None:
+            return context.sampled if context is not None else True
+        trace = self._api
+        parent = None
+        if context is not None:
+            parent = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
+                int(context.trace_id, 16), int(context.span_id, 16), is_remote=True,
+                trace_flags=trace.TraceFlags(context.flags),
+                trace_state=trace.TraceState.from_header([state]) if state else None)))
+        decision = self._sampler.should_sample(parent, int.from_bytes(trace_id, "big"), name,
+                                               trace.SpanKind[kind.upper()])
+        return bool(decision.decision.is_sampled())
 
     def span(self, parent: Span, name: str, start: float, end: float, *,
              attributes: Attributes | None = None, events: Sequence[SpanEvent] = (),
-             error: str | None = None) -> None:
-        """A finished child span of `parent`, from `start` to `end` (wall seconds)."""
-        otel = self._tracer.start_span(name, self._api.set_span_in_context(parent.otel),
-                                       attributes=attributes, start_time=_ns(start))
-        for event_name, at, event_attributes in events:
-            otel.add_event(event_name, event_attributes, _ns(at))
-        if error is not None:
-            self._set_error(otel, error)
-        otel.end(_ns(max(start, end)))
+             steps: Sequence[Step] = (), error: str | None = None) -> None:
+        """A finished child span of `parent`, from `start` to `end` (wall seconds), with
+        `events` and a `step` event per model step in `steps`."""
+        if not parent.sampled:
+            return
+        start_ns = _ns(start)
+        limit = self.max_events
+        self._exporter.add(self._otlp.Finished(
+            parent.trace_id, self._random.getrandbits(64).to_bytes(8, "big"), parent.span_id,
+            parent.trace_state, name, self._otlp.INTERNAL, start_ns, max(start_ns, _ns(end)),
+            attributes, [(n, _ns(at), a) for n, at, a in events],
+            steps if limit is None or len(steps) <= limit else steps[:limit], error))
 
     def end(self, span: Span, end: float, *, attributes: Attributes | None = None,
             error: str | None = None) -> None:
-        if attributes:
-            span.otel.set_attributes(attributes)
-        if error is not None:
-            self._set_error(span.otel, error)
-        span.otel.end(_ns(end))
-
-    def _set_error(self, otel: Any, description: str) -> None:
-        otel.set_status(self._api.Status(self._api.StatusCode.ERROR, description))
+        if not span.sampled:
+            return
+        merged = {**(span.attributes or {}), **(attributes or {})}
+        self._exporter.add(self._otlp.Finished(span.trace_id, span.span_id, span.parent_id,
+                                    span.trace_state, span.name, span.kind, span.start_ns,
+                                    max(span.start_ns, _ns(end)), merged, (), (), error))
 
     def shutdown(self) -> None:
         """Export what is still queued and stop (blocking: call it off the event loop)."""
-        if self._provider is not None:
-            self._provider.shutdown()
+        if self._exporter is not None:
+            self._exporter.shutdown()
 
 
 def _ns(seconds: float) -> int:

@@ -17,9 +17,10 @@ offset is committed (or it ends without a commit to wait for)::
       commit                    acknowledged -> offset committed (exactly-once: in the
                                 transaction with the answer)
 
-A step event (`step`) carries the step's batch size, this request's tokens in it
-and the step's duration: the batch a request rode in, without a span per
-token. Spans past the SDK's event limit keep the first events and count all.
+A `step` event carries the step's batch size (`sluice.step.requests`), its
+duration (`sluice.step.ms`) and, for a prompt chunk, this request's tokens in it:
+the batches a request rode in, without a span per token. A span keeps its first
+OTEL_SPAN_EVENT_COUNT_LIMIT (128) steps; `sluice.steps` counts them all.
 """
 
 from __future__ import annotations
@@ -33,12 +34,9 @@ from typing import Any
 
 from batcher import types as bt
 from batcher.engine import StepStats
-from common.tracing import Attributes, Span, SpanEvent, Tracing
+from common.tracing import Attributes, Span, Step, Tracing
 from ingest.verdicts import Admitted
 from results.inflight import InFlight
-
-# (started, seconds, this request's tokens, requests in the step)
-Step = tuple[float, float, int, int]
 
 
 @dataclass(slots=True)
@@ -61,11 +59,9 @@ class RequestTrace:
 class RequestTracer:
     """The traces of the requests a worker holds (only made with tracing on)."""
 
-    def __init__(self, tracing: Tracing, model: str, held: Any):
+    def __init__(self, tracing: Tracing, held: Any):
         self.tracing = tracing
-        self._model = model
         self._held = held  # key -> InFlight (`worker.requests.HeldRequests`)
-        self._max_events = tracing.max_events
         self._unacked: dict[tuple[Any, int], RequestTrace] = {}
         # Per partition: acknowledged, waiting for the commit (a heap of offsets).
         self._uncommitted: dict[Any, tuple[list[int], dict[int, RequestTrace]]] = {}
@@ -74,16 +70,17 @@ class RequestTracer:
 
     def begin(self, ctx: InFlight, admitted: Admitted) -> None:
         tp = admitted.tp
-        span = self.tracing.begin(
-            "sluice.request", admitted.trace_headers, admitted.arrival_time, kind="consumer",
-            attributes={"messaging.system": "kafka", "messaging.operation.type": "process",
-                        "messaging.destination.name": tp.topic,
-                        "messaging.destination.partition.id": str(tp.partition),
-                        "messaging.kafka.offset": admitted.offset,
-                        "messaging.message.id": admitted.request.request_id,
-                        "sluice.model": self._model,
-                        "sluice.adapter": admitted.request.adapter or "",
-                        "sluice.attempt": admitted.attempt})
+        attributes = {"messaging.system": "kafka", "messaging.operation.type": "process",
+                      "messaging.destination.name": tp.topic,
+                      "messaging.destination.partition.id": str(tp.partition),
+                      "messaging.kafka.offset": admitted.offset,
+                      "messaging.message.id": admitted.request.request_id}
+        if admitted.request.adapter is not None:
+            attributes["sluice.adapter"] = admitted.request.adapter
+        if admitted.attempt:
+            attributes["sluice.attempt"] = admitted.attempt
+        span = self.tracing.begin("sluice.request", admitted.trace_headers,
+                                  admitted.arrival_time, kind="consumer", attributes=attributes)
         ctx.trace = RequestTrace(span, admitted.arrival_time, admitted.read_time or time.time(),
                                  submitted=time.time())
         ctx.reply_headers = span.headers
@@ -200,12 +197,10 @@ class RequestTracer:
             prefill = [s for s in trace.steps if s[0] < first_token]
             decode = trace.steps[len(prefill):]
             tracing.span(span, "prefill", started, first_token,
-                         attributes={"sluice.steps": len(prefill)},
-                         events=self._step_events(prefill))
+                         attributes={"sluice.steps": len(prefill)}, steps=prefill)
             if trace.first_token is not None:
                 tracing.span(span, "decode", first_token, trace.ended,
-                             attributes={"sluice.steps": len(decode)},
-                             events=self._step_events(decode))
+                             attributes={"sluice.steps": len(decode)}, steps=decode)
         if trace.acked:
             tracing.span(span, "delivery", trace.sent, trace.acked)
             if committed is not None:
@@ -214,9 +209,3 @@ class RequestTracer:
         attributes: Attributes = {**trace.attributes, "sluice.outcome": trace.outcome,
                                   "sluice.committed": committed is not None}
         tracing.end(span, final, attributes=attributes, error=trace.error)
-
-    def _step_events(self, steps: list[Step]) -> list[SpanEvent]:
-        return [("step", started, {"sluice.step.requests": num_seqs,
-                                   "sluice.step.tokens": num_tokens,
-                                   "sluice.step.ms": round(seconds * 1000, 3)})
-                for started, seconds, num_tokens, num_seqs in steps[:self._max_events]]

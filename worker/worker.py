@@ -103,7 +103,7 @@ class Worker:
         self.metrics = WorkerMetrics(options.model, settings.pool)
         self.metrics_server: MetricsServer | None = None
         self.held = HeldRequests()
-        self.tracer = (RequestTracer(self.tracing, options.model, self.held)
+        self.tracer = (RequestTracer(self.tracing, self.held)
                        if self.tracing else None)
         self.tracker.watch = self.tracer
         self.deployment: ModelDeployment | None = None

@@ -14,6 +14,7 @@ from aiokafka import TopicPartition
 
 from batcher import types as bt
 from batcher.engine import StepStats
+from common.otlp import Finished, encode
 from common.tracing import (
     Tracing,
     context_headers,
@@ -68,7 +69,7 @@ def test_the_standard_variables_switch_tracing_on_and_off() -> None:
     assert traces_wanted({"OTEL_TRACES_EXPORTER": "none",
                           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}) is None
     assert traces_wanted({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}) is None
-    assert traces_wanted({"OTEL_TRACES_EXPORTER": "zipkin,console"}) == "console"
+    assert traces_wanted({"OTEL_TRACES_EXPORTER": "zipkin,otlp"}) == "otlp"
     assert traces_wanted({"OTEL_TRACES_EXPORTER": "zipkin"}) is None
 
 
@@ -104,16 +105,23 @@ def test_asked_for_without_the_extra_it_says_so_once_and_stays_off() -> None:
 
 # ---- a request's spans, as a worker builds them ------------------------------------------
 
-@pytest.fixture
-def exported():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+class Collected:
+    """An exporter that keeps what it is given (`common.otlp.Exporter.add`)."""
 
-    provider = TracerProvider()
-    spans = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(spans))
-    return Tracing(provider), spans
+    def __init__(self) -> None:
+        self.spans: list[Finished] = []
+
+    def add(self, span: Finished) -> None:
+        self.spans.append(span)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def exported() -> tuple[Tracing, Collected]:
+    spans = Collected()
+    return Tracing(spans), spans
 
 
 def _admitted(offset: int, arrival: float, headers) -> tuple[Admitted, InFlight]:
@@ -127,26 +135,28 @@ def _admitted(offset: int, arrival: float, headers) -> tuple[Admitted, InFlight]
     return admitted, ctx
 
 
-def _by_name(spans) -> dict[str, object]:
+def _by_name(spans: list[Finished]) -> dict[str, Finished]:
     return {span.name: span for span in spans}
 
 
 def test_a_request_becomes_a_span_tree_under_its_producer(exported) -> None:
     from worker.tracing import RequestTracer
 
-    tracing, spans = exported
+    tracing, collected = exported
     held: dict[str, InFlight] = {}
     tracker = OffsetTracker()
-    tracer = RequestTracer(tracing, "tiny", held)
+    tracer = RequestTracer(tracing, held)
     tracker.watch = tracer
     tracker.assign(TP, None)
     arrival = 1_000.0
-    admitted, ctx = _admitted(5, arrival, [("traceparent", PARENT.encode())])
+    admitted, ctx = _admitted(5, arrival, [("traceparent", PARENT.encode()),
+                                          ("tracestate", b"acme=7")])
     tracer.begin(ctx, admitted)
     held["k"] = ctx
     # The reply records name sluice's span, in the producer's trace.
     reply = parse_traceparent(dict(ctx.reply_headers)["traceparent"])
     assert reply.trace_id == TRACE_ID and reply.span_id != "00f067aa0ba902b7"
+    assert dict(ctx.reply_headers)["tracestate"] == b"acme=7"
     # Two prompt chunks, then three decode steps beside other requests.
     steps = [(arrival + 0.02, 0.01, 2, 1), (arrival + 0.03, 0.01, 1, 1),
              (arrival + 0.05, 0.01, 1, 3), (arrival + 0.06, 0.01, 1, 3),
@@ -158,37 +168,59 @@ def test_a_request_becomes_a_span_tree_under_its_producer(exported) -> None:
     tracer.ending(ctx, finished)
     tracker.start(TP, 5)
     tracer.acking(tracker.finish)(TP, 5)
-    assert spans.get_finished_spans() == ()  # all of it waits for the commit
+    assert collected.spans == []  # all of it waits for the commit
     tracker.mark_committed(tracker.pending_commits())
 
-    by_name = _by_name(spans.get_finished_spans())
+    by_name = _by_name(collected.spans)
     assert set(by_name) == {"sluice.request", "queue wait", "admission", "prefill", "decode",
                             "delivery", "commit"}
     root = by_name["sluice.request"]
-    assert root.parent.span_id == int("00f067aa0ba902b7", 16)
-    assert root.context.span_id == int(reply.span_id, 16)
+    assert root.parent_id.hex() == "00f067aa0ba902b7" and root.span_id.hex() == reply.span_id
     for name, span in by_name.items():
-        assert span.context.trace_id == int(TRACE_ID, 16)
+        assert span.trace_id.hex() == TRACE_ID and span.trace_state == "acme=7"
         if name != "sluice.request":
-            assert span.parent.span_id == root.context.span_id, name
+            assert span.parent_id == root.span_id, name
     ns = 1_000_000_000
-    assert root.start_time == int(arrival * ns)  # the record's timestamp
-    assert by_name["queue wait"].end_time == int((arrival + 0.010) * ns)
-    assert by_name["admission"].end_time == by_name["prefill"].start_time
+    assert root.start_ns == int(arrival * ns)  # the record's timestamp
+    assert by_name["queue wait"].end_ns == int((arrival + 0.010) * ns)
+    assert by_name["admission"].end_ns == by_name["prefill"].start_ns
     # Steps before the first token are prefill's; the rest decode's.
-    assert [e.attributes["sluice.step.tokens"] for e in by_name["prefill"].events] == [2, 1]
-    assert [e.attributes["sluice.step.requests"] for e in by_name["decode"].events] == [3, 3, 2]
+    assert [step[2] for step in by_name["prefill"].steps] == [2, 1]
+    assert [step[3] for step in by_name["decode"].steps] == [3, 3, 2]
     assert root.attributes["gen_ai.usage.output_tokens"] == 4
     assert root.attributes["sluice.outcome"] == "done" and root.attributes["sluice.committed"]
-    assert root.end_time == by_name["commit"].end_time
+    assert root.end_ns == by_name["commit"].end_ns and root.error is None
+
+    # On the wire: one OTLP request that a collector decodes to the same spans.
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    wire = ExportTraceServiceRequest.FromString(
+        encode(collected.spans, {"service.name": "sluice-worker"}, "sluice"))
+    resource_spans = wire.resource_spans[0]
+    assert resource_spans.resource.attributes[0].value.string_value == "sluice-worker"
+    decoded = {s.name: s for s in resource_spans.scope_spans[0].spans}
+    assert decoded["decode"].parent_span_id == root.span_id
+    assert [e.name for e in decoded["decode"].events] == ["step"] * 3
+    first = {a.key: a.value for a in decoded["decode"].events[0].attributes}
+    assert first["sluice.step.requests"].int_value == 3
+    assert first["sluice.step.ms"].double_value == 10.0
+    assert "sluice.step.tokens" not in first  # a decode step: one token
+    chunk = {a.key: a.value for a in decoded["prefill"].events[0].attributes}
+    assert chunk["sluice.step.tokens"].int_value == 2
+    assert decoded["prefill"].events[0].time_unix_nano == int((arrival + 0.02) * 1e9)
+    assert decoded["sluice.request"].kind == decoded["sluice.request"].SPAN_KIND_CONSUMER
+    assert {a.key: a.value.int_value for a in decoded["sluice.request"].attributes}[
+        "gen_ai.usage.output_tokens"] == 4
 
 
 def test_a_failed_request_ends_with_an_error_and_a_revoked_one_uncommitted(exported) -> None:
     from worker.tracing import RequestTracer
 
-    tracing, spans = exported
+    tracing, collected = exported
     tracker = OffsetTracker()
-    tracer = RequestTracer(tracing, "tiny", {})
+    tracer = RequestTracer(tracing, {})
     tracker.watch = tracer
     tracker.assign(TP, None)
     admitted, ctx = _admitted(9, 2_000.0, None)  # no producer context: a trace of its own
@@ -196,12 +228,21 @@ def test_a_failed_request_ends_with_an_error_and_a_revoked_one_uncommitted(expor
     tracer.ending(ctx, bt.Failed("k", 0, ctx, ErrorCode.INTERNAL, "boom"))
     tracer.acked(TP, 9)
     tracker.revoke(TP)  # handed over before its commit
-    by_name = _by_name(spans.get_finished_spans())
+    by_name = _by_name(collected.spans)
     root = by_name["sluice.request"]
-    assert root.parent is None and not root.status.is_ok
-    assert "internal: boom" in root.status.description
+    assert root.parent_id == b"" and "internal: boom" in root.error
     assert root.attributes["sluice.committed"] is False and "commit" not in by_name
     assert "delivery" in by_name and "prefill" not in by_name
+
+
+def test_an_unsampled_producer_trace_is_continued_but_not_recorded(exported) -> None:
+    tracing, collected = exported
+    unsampled = f"00-{TRACE_ID}-00f067aa0ba902b7-00"
+    span = tracing.begin("sluice.request", [("traceparent", unsampled.encode())], 1.0)
+    tracing.span(span, "queue wait", 1.0, 2.0)
+    tracing.end(span, 3.0)
+    assert collected.spans == []
+    assert parse_traceparent(span.headers[0][1]).flags == 0  # downstream keeps the choice
 
 
 async def test_reply_records_carry_the_requests_trace_context() -> None:
