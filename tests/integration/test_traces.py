@@ -170,8 +170,11 @@ async def test_the_gateways_http_traceparent_is_the_parent_of_its_request(
     try:
         async with served_gateway(settings, key, "traces", timeout_s=120) as (api, _port):
             with worker_process(settings, "tiny", tmp_path) as worker:
+                # A first request meets the worker joining its group: the one traced
+                # below shows a warm path.
+                await api.completions.create(model="tiny", prompt="Once", max_tokens=2)
                 done = await api.completions.create(
-                    model="tiny", prompt="Once upon", max_tokens=4, temperature=0,
+                    model="tiny", prompt="Once upon", max_tokens=8, temperature=0,
                     extra_headers={"traceparent": traceparent})
                 assert done.choices[0].text is not None, worker.log()
                 trace = await _trace(jaeger, trace_id,
@@ -186,6 +189,7 @@ async def test_the_gateways_http_traceparent_is_the_parent_of_its_request(
     assert _service(trace, spans["sluice.request"]) == "sluice-worker"
     assert {tag["key"]: tag["value"] for tag in gateway["tags"]}[
         "http.response.status_code"] == 200
+    print(render(trace))  # the README's example (pytest -s)
 
 
 @pytest.fixture(autouse=True)
