@@ -113,9 +113,12 @@ def _service(trace: dict[str, Any], span: dict[str, Any]) -> str:
     return trace["processes"][span["processID"]]["serviceName"]
 
 
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
 async def test_a_producers_trace_goes_through_the_worker_to_the_replies(
-        settings, tiny_model, tmp_path, jaeger) -> None:
-    _client, key = register_tiny(settings, tiny_model)
+        settings, tiny_model, tmp_path, jaeger, delivery) -> None:
+    """Exactly once, the terminal event goes through a transactional producer and the
+    commit span ends with the transaction that commits its offset."""
+    _client, key = register_tiny(settings, tiny_model, compute_config={"delivery": delivery})
     trace_id, producer_span, traceparent = _made_up_parent()
     try:
         with worker_process(settings, "tiny", tmp_path, env=_otel_env(jaeger)) as worker:
