@@ -258,6 +258,8 @@ def main() -> None:
     jaeger = start(args.state_dir, args.otlp_port, args.query_port)
     print(f"OTEL_EXPORTER_OTLP_ENDPOINT={jaeger.otlp_endpoint}\n"
           f"traces: {jaeger.query_url}/api/traces/<trace id> (Ctrl-C stops it)", flush=True)
+    # Its own session: stopped with this process however that ends (Ctrl-C, SIGTERM).
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: jaeger.stop())
     try:
         jaeger.process.wait()
     except KeyboardInterrupt:
