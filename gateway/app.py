@@ -39,12 +39,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.errors import KafkaAccessError
 from common.settings import Settings
 from common.topics import TopicAdmin, TopicSpec
+from common.tracing import Tracing
 from gateway import openai_api as oai
 from gateway import openai_errors as errs
 from gateway.metrics import METRICS_PATH, GatewayMetrics, ObservedRequests
 from gateway.openai_stream import ToolCallStream
 from gateway.readiness import registered_at, serving_workers
 from gateway.responses import ResponsesRoutes
+from gateway.tracing import TraceRequests, trace_context
 from schemas import DoneEvent, ErrorEvent, ReplyEvent, TimeoutEvent, TokenEvent
 from sluice.client import Client
 from sluice.errors import InvalidRequestError, RequestTimeoutError, UnknownModelError
@@ -69,8 +71,11 @@ def _error(exc: oai.OpenAIError) -> Response:
 
 
 class Gateway(ResponsesRoutes):
-    def __init__(self, settings: Settings, instance_id: str | None = None):
+    def __init__(self, settings: Settings, instance_id: str | None = None,
+                 tracing: Tracing | None = None):
         self.settings = settings
+        # A span per HTTP request, as the OTEL_* variables ask (default: off).
+        self.tracing = tracing if tracing is not None else Tracing.from_env("sluice-gateway")
         self.instance_id = instance_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.reply_topic = settings.topic(f"gateway.{self.instance_id}")
         self.client = Client(settings)
@@ -93,7 +98,9 @@ class Gateway(ResponsesRoutes):
         self.metrics = GatewayMetrics(route.path for route in routes)
         self.app = Starlette(routes=routes, lifespan=self._lifespan, middleware=[
             Middleware(ObservedRequests, metrics=self.metrics, routes=routes),
-            Middleware(_RequestIds)], exception_handlers={HTTPException: _http_error})
+            Middleware(_RequestIds), *(
+                [Middleware(TraceRequests, tracing=self.tracing)] if self.tracing else [])],
+            exception_handlers={HTTPException: _http_error})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -124,6 +131,7 @@ class Gateway(ResponsesRoutes):
         await self.client.aclose()
         if self._pool is not None:
             await self._pool.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported
 
     # ---- routes --------------------------------------------------------------------------
 
@@ -231,7 +239,7 @@ class Gateway(ResponsesRoutes):
                     model=model, adapter=adapter, api_key=key,
                     request_id=request_id if n == 1 else f"{request_id}-{i}",
                     session_id=session, reply_topic=self.reply_topic,
-                    stream=body.stream or n > 1, **choice)
+                    stream=body.stream or n > 1, **trace_context(request), **choice)
                 streams.append(events)
                 return events
 
@@ -433,11 +441,11 @@ async def _close_all(streams: list[AsyncIterator[ReplyEvent]]) -> None:
 
 
 async def serve(settings: Settings, host: str, port: int, instance_id: str | None = None,
-                ready: asyncio.Event | None = None) -> None:
+                ready: asyncio.Event | None = None, tracing: Tracing | None = None) -> None:
     """Run the gateway until cancelled (or a signal, under `sluice gateway`)."""
     import uvicorn
 
-    gateway = Gateway(settings, instance_id)
+    gateway = Gateway(settings, instance_id, tracing)
     config = uvicorn.Config(gateway.app, host=host, port=port, loop="none", http="httptools",
                             log_level="warning", lifespan="on", access_log=False,
                             timeout_graceful_shutdown=5)  # streams still open end then

@@ -25,6 +25,7 @@ from gateway import openai_errors as errs
 from gateway import responses_api as rapi
 from gateway.openai_stream import ToolCallStream
 from gateway.responses_store import EXPIRE_EVERY_S, ResponseStore
+from gateway.tracing import trace_context
 from schemas import DoneEvent, ReplyEvent, TokenEvent
 from sluice.errors import RequestTimeoutError
 
@@ -90,7 +91,7 @@ class ResponsesRoutes:
             events = self.client.stream(model=model, adapter=adapter, api_key=key,
                                         request_id=response_id, session_id=session,
                                         reply_topic=self.reply_topic, stream=body.stream,
-                                        **fields)
+                                        **trace_context(request), **fields)
             created = rapi.now()
             keep = _Keeper(self.store if body.store else None, response_id, tenant,
                            body, fields["messages"], session)

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 
+from common.tracing import context_headers
 from ingest.permissions import Decision, PermissionChecker, PermissionsUnavailable
 from ingest.prompting import PromptBuilder, PromptError
 from ingest.verdicts import (
@@ -62,6 +63,7 @@ class RequestChecks:
         self._refreshing = asyncio.Lock()
 
     async def verdict(self, record: ConsumerRecord, attempt: int) -> Verdict:
+        read_time = time.time()
         tp = TopicPartition(record.topic, record.partition)
         if not record.value:
             what = ("a tombstone (a record with no value)" if record.value is None
@@ -82,8 +84,11 @@ class RequestChecks:
         if problem is not None:
             return DeadLettered(tp, record.offset, record.key, value, problem)
 
+        trace = context_headers(record.headers)
+
         def refuse(code: ErrorCode, message: str) -> Refused:
-            return Refused(tp, record.offset, reply_topic, request.request_id, code, message)
+            return Refused(tp, record.offset, reply_topic, request.request_id, code, message,
+                           trace_headers=trace)
 
         model = self.options.model
         if request.model != model:
@@ -96,7 +101,7 @@ class RequestChecks:
                             arrival_time=record.timestamp / 1000.0,
                             max_ttft_ms=min(request.max_ttft_ms or self.max_ttft_ms,
                                             self.max_ttft_ms),
-                            token_ids=[])
+                            token_ids=[], trace_headers=trace, read_time=read_time)
         decision = await self._permission(record, request, admitted.deadline)
         if decision is None:  # the database stayed away past the deadline
             return admitted
@@ -115,7 +120,8 @@ class RequestChecks:
         return Admitted(request, tp, record.offset, attempt, reply_topic,
                         admitted.arrival_time, admitted.max_ttft_ms, prompt.token_ids,
                         prompt.chat, decision.tenant, key_digest(_authorization(record)),
-                        tool_format=prompt.tool_format)
+                        tool_format=prompt.tool_format, trace_headers=trace,
+                        read_time=read_time)
 
     async def _cancel(self, record: ConsumerRecord, tp: TopicPartition,
                       parsed: dict[str, object], value: bytes) -> Verdict:
@@ -186,7 +192,8 @@ class RequestChecks:
         )
         if answerable:
             return Refused(tp, record.offset, reply, request_id, ErrorCode.INVALID_REQUEST,
-                           f"invalid request: {exc}")
+                           f"invalid request: {exc}",
+                           trace_headers=context_headers(record.headers))
         return DeadLettered(tp, record.offset, record.key, record.value or b"",
                             f"undecodable request: {exc}")
 

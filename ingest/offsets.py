@@ -34,6 +34,7 @@ import itertools
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,21 @@ class _Partition:
     silenced: bool = False  # handed over: nothing more is answered
 
 
+class CommitWatch(Protocol):
+    """Told of commits (traces: a request's commit span ends when its offset is)."""
+
+    def committed(self, tp: object, offset: int) -> None:
+        """Every offset of `tp` below `offset` is committed."""
+
+    def released(self, tp: object) -> None:
+        """`tp` was let go of: nothing more of it is committed from here."""
+
+
 @dataclass(slots=True)
 class OffsetTracker:
     partitions: dict[object, _Partition] = field(default_factory=dict)
     _epochs: itertools.count = field(default_factory=lambda: itertools.count(1))
+    watch: CommitWatch | None = None  # None (tracing off) costs nothing
 
     def assign(self, tp: object, committed_metadata: str | None,
                end_offset: int | None = None) -> int:
@@ -122,6 +134,8 @@ class OffsetTracker:
 
     def revoke(self, tp: object) -> None:
         self.partitions.pop(tp, None)
+        if self.watch is not None:
+            self.watch.released(tp)
 
     def start(self, tp: object, offset: int) -> int:
         """Record that `offset` was read; returns the attempt number to serve it with."""
@@ -176,6 +190,8 @@ class OffsetTracker:
             part = self.partitions.get(tp)
             if part is not None:
                 part.committed = point
+                if self.watch is not None:
+                    self.watch.committed(tp, point[0])
 
 
 def highest_started(committed_metadata: str | None) -> int | None:

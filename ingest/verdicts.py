@@ -16,6 +16,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from common.tracing import Headers
 from ingest.turns import ChatPrompt
 from schemas import ErrorCode, InferenceRequest
 
@@ -58,7 +59,9 @@ class Admitted:
     key_digest: bytes | None = None
     epoch: int = 0  # of the partition's assignment it was read under
     tool_format: str | None = None  # how the model writes tool calls (tools asked for)
-
+    # The record's W3C trace context (`common.tracing`), continued by its answers.
+    trace_headers: Headers | None = None
+    read_time: float = 0.0  # when the worker read it, wall-clock seconds
 
     @property
     def deadline(self) -> float:
@@ -77,6 +80,7 @@ class Refused:
     code: ErrorCode
     message: str
     epoch: int = 0
+    trace_headers: Headers | None = None  # the record's, passed on to its error event
 
 
 @dataclass(frozen=True, slots=True)

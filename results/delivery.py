@@ -120,7 +120,7 @@ class Delivery:
             if not await self._topic_ready(record.topic, producer):
                 raise KafkaTimeoutError(
                     f"no metadata for {record.topic!r} within {METADATA_WAIT_S} s")
-            future = await producer.send(record.topic, record.value, record.key)
+            future = await producer.send(record.topic, record.value, record.key, record.headers)
         except Exception as exc:
             log.warning("a record to %s could not be sent: %s", record.topic, exc)
             return
@@ -139,7 +139,8 @@ class Delivery:
         """Write `record`; finish `offset` of `tp` once it is acknowledged. A record the
         producer will not take yet is tried again in the background."""
         try:
-            future = await self._ending(tp).send(record.topic, record.value, record.key)
+            future = await self._ending(tp).send(record.topic, record.value, record.key,
+                                                 record.headers)
         except KafkaError as exc:
             if self._closing or tries_left <= 1 or not retriable(exc) or isinstance(
                     exc, TransactionsFailed):
@@ -170,7 +171,7 @@ class Delivery:
             producer = self._ending(ctx.topic_partition)
             if not in_background and not await self._topic_ready(record.topic, producer):
                 raise KafkaTimeoutError(f"no metadata for {record.topic!r} yet")
-            future = await producer.send(record.topic, record.value, record.key)
+            future = await producer.send(record.topic, record.value, record.key, record.headers)
         except KafkaError as exc:  # the producer would not take it (no topic metadata, ...)
             if self._closing or isinstance(exc, TransactionsFailed):
                 log.error("terminal event for offset %s of %s not sent (%s); it stays "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.tracing import Headers
 from results.detokenize import IncrementalDecoder
 from schemas import InferenceRequest
 
@@ -32,6 +33,10 @@ class InFlight:
     key_digest: bytes | None = None  # of its authorization header (a cancel's fast check)
     epoch: int = 0  # of the partition's assignment it was read under
     tool_format: str | None = None  # how the model writes tool calls, when it may make some
+    # The W3C trace context its reply records carry (`common.tracing`): the worker's span
+    # of the request, or with tracing off the request record's own; None without one.
+    reply_headers: Headers | None = None
+    trace: Any = None  # the worker's record of its trace (`worker.tracing`), when on
 
     @property
     def request_id(self) -> str:

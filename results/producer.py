@@ -8,7 +8,7 @@ well as against the real broker through `KafkaProducerPort`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
@@ -29,7 +29,8 @@ class ProducerPort(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[Any]:
+    async def send(self, topic: str, value: bytes, key: bytes | None,
+                   headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
         """Queue a record; the future resolves when the broker acknowledged it (or
         fails). Raises KafkaError when the producer will not take it."""
 
@@ -59,8 +60,9 @@ class KafkaProducerPort:
     async def stop(self) -> None:
         await self._producer.stop()
 
-    async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[Any]:
-        return await self._producer.send(topic, value, key=key)
+    async def send(self, topic: str, value: bytes, key: bytes | None,
+                   headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
+        return await self._producer.send(topic, value, key=key, headers=headers)
 
     def knows(self, topic: str) -> bool:
         return bool(self._producer.client.cluster.partitions_for_topic(topic))

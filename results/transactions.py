@@ -43,7 +43,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -107,8 +107,10 @@ class TransactionalProducerPort:
         # Set when the open transaction holds a record (shared by a worker's ports).
         self.has_records = has_records or asyncio.Event()
         self.num_records = 0  # in the open transaction
-        # Records sent while a commit held the gate: (topic, value, key, their future).
-        self.waiting: list[tuple[str, bytes, bytes | None, asyncio.Future[Any]]] = []
+        # Records sent while a commit held the gate: (topic, value, key, headers, their
+        # future).
+        self.waiting: list[tuple[str, bytes, bytes | None, Sequence[tuple[str, bytes]] | None,
+                                 asyncio.Future[Any]]] = []
 
     async def start(self) -> None:
         """Register the transactional id, and wait until the broker has: it aborts what
@@ -125,18 +127,19 @@ class TransactionalProducerPort:
     async def stop(self) -> None:
         await self.producer.stop()
 
-    async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[Any]:
+    async def send(self, topic: str, value: bytes, key: bytes | None,
+                   headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
         if self.failure is not None:
             raise TransactionsFailed(f"transactions failed: {self.failure}")
         if self.gate.locked():
             # A commit is under way: the record waits for the next transaction, and the
             # caller (the event pump) goes on at once instead of waiting for the commit.
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self.waiting.append((topic, value, key, future))
+            self.waiting.append((topic, value, key, headers, future))
             return future
         async with self.gate:
             await self.open()
-            future = await self.producer.send(topic, value, key=key)
+            future = await self.producer.send(topic, value, key=key, headers=headers)
             self.sent.append(future)
             self.num_records += 1
             self.has_records.set()
@@ -148,9 +151,9 @@ class TransactionalProducerPort:
         if not waiting:
             return
         await self.open()
-        for topic, value, key, future in waiting:
+        for topic, value, key, headers, future in waiting:
             try:
-                sent = await self.producer.send(topic, value, key=key)
+                sent = await self.producer.send(topic, value, key=key, headers=headers)
             except Exception as exc:
                 future.set_exception(exc)
                 raise

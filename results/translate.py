@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common import tool_formats
+from common.tracing import Headers
 from results.inflight import InFlight
 from schemas import (
     DeadLetterRecord,
@@ -41,6 +42,7 @@ class WireRecord:
     topic: str
     key: bytes | None
     value: bytes
+    headers: Headers | None = None  # the request's trace context (`common.tracing`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +146,11 @@ class Translator:
         return self._reply(ctx, encode(event))
 
     @staticmethod
-    def refusal(reply_topic: str, request_id: str, code: ErrorCode, message: str) -> WireRecord:
+    def refusal(reply_topic: str, request_id: str, code: ErrorCode, message: str,
+                headers: Headers | None = None) -> WireRecord:
         """The error event of a request that never became an in-flight one."""
         event = ErrorEvent(request_id=request_id, code=code, message=message)
-        return WireRecord(reply_topic, request_id.encode(), encode(event))
+        return WireRecord(reply_topic, request_id.encode(), encode(event), headers)
 
     def timeout(self, ctx: InFlight, waited_ms: float,
                 reason: str) -> tuple[WireRecord, WireRecord]:
@@ -159,7 +162,8 @@ class Translator:
             waited_ms=waited_ms, max_ttft_ms=ctx.max_ttft_ms,
             request=ctx.request.model_dump(mode="json", by_alias=True),
         )
-        return (WireRecord(self.timeouts_topic, ctx.request_id.encode(), encode(record)),
+        return (WireRecord(self.timeouts_topic, ctx.request_id.encode(), encode(record),
+                           ctx.reply_headers),
                 self._reply(ctx, encode(event)))
 
     def dead_letter(self, *, topic: str, partition: int, offset: int, key: bytes | None,
@@ -181,7 +185,7 @@ class Translator:
 
     @staticmethod
     def _reply(ctx: InFlight, value: bytes) -> WireRecord:
-        return WireRecord(ctx.reply_topic, ctx.request_id.encode(), value)
+        return WireRecord(ctx.reply_topic, ctx.request_id.encode(), value, ctx.reply_headers)
 
 
 def _call_id(request_id: str, index: int) -> str:

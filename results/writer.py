@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from common.tracing import Headers
 from results.delivery import Delivery, OnFinished
 from results.inflight import InFlight
 from results.producer import KafkaProducerPort, ProducerPort
@@ -144,11 +145,13 @@ class ResultWriter:
     # ---- records that never became in-flight requests ----------------------------------
 
     async def refusal(self, *, tp: Any, offset: int, reply_topic: str, request_id: str,
-                      code: ErrorCode, message: str) -> None:
-        """An error for a record that never became an in-flight request."""
+                      code: ErrorCode, message: str, headers: Headers | None = None) -> None:
+        """An error for a record that never became an in-flight request (`headers`: the
+        record's trace context, passed on)."""
         self._observe_end(request_id, "error", code.value)
         await self.delivery.finishing(
-            self.translate.refusal(reply_topic, request_id, code, message), tp, offset)
+            self.translate.refusal(reply_topic, request_id, code, message, headers), tp,
+            offset)
 
     async def dead_letter(self, *, tp: Any, offset: int, key: bytes | None, value: bytes,
                           reason: str) -> None:

@@ -71,11 +71,29 @@ KEYS: dict[type[BaseModel], dict[str, Any]] = {
 for _event in ROLES["replies"]:
     KEYS[_event] = _key("The request id (UTF-8).", ID_PATTERN)
 
+_TRACEPARENT = {
+    "type": "string",
+    "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?$",
+    "examples": ["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"],
+}
+_TRACESTATE = {
+    "type": "string",
+    "description": "W3C `tracestate`, vendor trace data; passed on with `traceparent`.",
+    "examples": ["acme=7"],
+}
+
 REQUEST_HEADERS: dict[str, Any] = {
     "type": "object",
-    "description": "Kafka record headers; sluice reads only `authorization`.",
+    "description": ("Kafka record headers; sluice reads `authorization`, and `traceparent` "
+                    "with `tracestate` (W3C trace context) when present."),
     "required": ["authorization"],
     "properties": {
+        "traceparent": {**_TRACEPARENT, "description": (
+            "Optional W3C `traceparent` of the producer's span: sluice continues that "
+            "trace (its spans are children of it, with OpenTelemetry export on) and its "
+            "reply records carry a `traceparent` of the same trace. An invalid one is "
+            "ignored.")},
+        "tracestate": _TRACESTATE,
         "authorization": {
             "type": "string",
             "description": (
@@ -86,6 +104,20 @@ REQUEST_HEADERS: dict[str, Any] = {
                 "tenant."),
             "examples": ["Bearer sk-sluice-<key id>.<secret>"],
         },
+    },
+}
+
+REPLY_HEADERS: dict[str, Any] = {
+    "type": "object",
+    "description": ("Kafka record headers of a reply (and of its timeouts-log record), "
+                    "present when its request carried a valid `traceparent` or when the "
+                    "worker traces (OTEL_* settings)."),
+    "properties": {
+        "traceparent": {**_TRACEPARENT, "description": (
+            "W3C `traceparent` naming the worker's span of the request (with tracing "
+            "off: the request's own), in the request's trace: a consumer continues the "
+            "trace from here. The same on every reply of one attempt.")},
+        "tracestate": _TRACESTATE,
     },
 }
 
@@ -194,15 +226,19 @@ def _message(model: type[BaseModel], examples: tuple[BaseModel, ...]) -> dict[st
     }
     if model in ROLES["requests"]:
         message["headers"] = {"$ref": "#/components/schemas/RequestHeaders"}
+    elif model in ROLES["replies"] or model in ROLES["timeouts"]:
+        message["headers"] = {"$ref": "#/components/schemas/ReplyHeaders"}
     if "request_id" in model.model_fields:
         message["correlationId"] = {
             "description": "request_id ties a request to its events and records.",
             "location": "$message.payload#/request_id"}
     if examples:
-        headers = {"authorization": "Bearer sk-sluice-<key id>.<secret>"}
+        headers = ({"authorization": "Bearer sk-sluice-<key id>.<secret>"}
+                   if model in ROLES["requests"] else
+                   {"traceparent": _TRACEPARENT["examples"][0]})
         message["examples"] = [
             {"name": f"{model.__name__}-{i}",
-             **({"headers": headers} if model in ROLES["requests"] else {}),
+             **({"headers": headers} if "headers" in message else {}),
              "payload": orjson.loads(encode(example))}
             for i, example in enumerate(examples)
         ]
@@ -272,7 +308,7 @@ def component_schemas() -> dict[str, Any]:
     models = [m for role in ROLES.values() for m in role]
     _, top = models_json_schema([(m, "validation") for m in models],
                                 ref_template="#/components/schemas/{model}")
-    return {**top["$defs"], "RequestHeaders": REQUEST_HEADERS}
+    return {**top["$defs"], "RequestHeaders": REQUEST_HEADERS, "ReplyHeaders": REPLY_HEADERS}
 
 
 def package_version() -> str:

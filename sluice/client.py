@@ -40,6 +40,7 @@ from common.kafka_security import explain
 from common.settings import Settings
 from common.timeouts import dependency_call
 from common.topics import partitions_of
+from common.tracing import trace_headers
 from schemas import (
     CancelRequest,
     DoneEvent,
@@ -266,13 +267,16 @@ class Client:
 
     async def stream(self, *, model: str, api_key: str | None = None,
                      request_id: str | None = None, timeout: float | None = None,
+                     traceparent: str | None = None, tracestate: str | None = None,
                      **fields: Any) -> AsyncIterator[ReplyEvent]:
         """Send one request and yield its events: tokens, then one terminal event, the
         request's outcome over all its attempts (`schemas.Outcome`).
 
         `timeout` (seconds; default SLUICE_CLIENT__REQUEST_TIMEOUT_SECS) bounds the
         whole call: without a terminal event by then, RequestTimeoutError (or the answer
-        of a superseded attempt, when one came)."""
+        of a superseded attempt, when one came). `traceparent` (and `tracestate`), W3C
+        trace context, go on the request record as headers: the worker continues that
+        trace."""
         limit = self.settings.client.request_timeout_secs if timeout is None else timeout
         deadline = time.monotonic() + limit
         key = api_key or self.api_key
@@ -284,11 +288,13 @@ class Client:
         sent = ended = False
         waiting: asyncio.Future[ReplyEvent] | None = None
         headers = [("authorization", f"Bearer {key}".encode())] if key else []
+        sent_headers = [*headers, *trace_headers(traceparent, tracestate)]
         try:
             assert self._producer is not None
             try:
                 where = await self._producer.send_and_wait(
-                    topic, encode(request), key=request.partition_key.encode(), headers=headers)
+                    topic, encode(request), key=request.partition_key.encode(),
+                    headers=sent_headers)
                 sent = True
             except KafkaError as exc:
                 denied = explain(exc, self.settings.kafka, f"sending to {topic}")

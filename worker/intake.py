@@ -29,14 +29,16 @@ from worker.loaded_model import LoadedModel
 from worker.metrics import WorkerMetrics
 from worker.options import ingest_options
 from worker.requests import HeldRequests, Router
+from worker.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
 
 class Intake:
     def __init__(self, loaded: LoadedModel, *, held: HeldRequests, tracker: OffsetTracker,
-                 metrics: WorkerMetrics):
+                 metrics: WorkerMetrics, tracer: RequestTracer | None = None):
         self._loaded = loaded
+        self._tracer = tracer
         self._held = held
         self._tracker = tracker
         self._metrics = metrics
@@ -62,7 +64,7 @@ class Intake:
                         lambda: self._runtime().model_config.sampling_defaults,
                         finished=tracker.finish, on_cancel=self._metrics.observe_cancel,
                         grammar_of=lambda rf: self._runtime().grammars.compile(rf),
-                        owns=tracker.owns, holds=tracker.holds)
+                        owns=tracker.owns, holds=tracker.holds, tracer=self._tracer)
         ingest = RequestIngest(
             ingest_options(settings, dep.model, instance_id),
             tracker=tracker, checker=checker, prompts=prompts, route=router.route,

@@ -32,13 +32,15 @@ RuntimeFactory = Callable[[str, RuntimeConfig], Runtime]
 class LoadedModel:
     def __init__(self, options: WorkerOptions, host_compile: bool | None,
                  runtime_factory: RuntimeFactory, metrics: WorkerMetrics,
-                 on_status: Callable[[], None]):
+                 on_status: Callable[[], None],
+                 on_step: Callable[[StepStats], None] | None = None):
         self._options = options
         self._host_compile = host_compile  # SLUICE_COMPILE
         # A seam for fault-injection tests: they wrap the runtime's `execute`.
         self._runtime_factory = runtime_factory
         self._metrics = metrics
         self._on_status = on_status
+        self._traced_step = on_step  # traces: the requests each step carried
         self.runtime: Runtime | None = None
         self.engine: Engine | None = None
         self.adapters = ServedAdapters(options.model)
@@ -113,3 +115,5 @@ class LoadedModel:
         self._metrics.observe_step(stats.num_seqs, stats.num_tokens, stats.seconds)
         if stats.num_adapter_loads:
             self._metrics.add_adapter_swaps(stats.num_adapter_loads)
+        if self._traced_step is not None:
+            self._traced_step(stats)

@@ -26,6 +26,7 @@ from results.detokenize import IncrementalDecoder
 from results.inflight import InFlight
 from results.writer import ResultWriter
 from schemas import ErrorCode, InferenceRequest, NamedToolChoice, Timing
+from worker.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class HeldRequests:
 
     def items(self) -> Iterator[tuple[str, InFlight]]:
         return iter(list(self._held.items()))
+
+    def get(self, key: str) -> InFlight | None:
+        return self._held.get(key)
 
     def hold(self, key: str, ctx: InFlight) -> None:
         self._held[key] = ctx
@@ -109,8 +113,10 @@ class Router:
                  finished: Callable[[object, int], None] = lambda _tp, _offset: None,
                  on_cancel: Callable[[str], None] = lambda _outcome: None,
                  grammar_of: Callable[[dict[str, Any]], str | None] | None = None,
-                 owns: Owns = _always, holds: Owns = _always):
+                 owns: Owns = _always, holds: Owns = _always,
+                 tracer: RequestTracer | None = None):
         self._grammar_of = grammar_of or _no_grammars
+        self._tracer = tracer  # None: tracing off
         # A partition being handed over (or gone) starts no new work: a verdict read
         # under an older assignment is dropped, never served beside its new owner.
         self._owns = owns
@@ -139,7 +145,7 @@ class Router:
             await self._writer.refusal(tp=verdict.tp, offset=verdict.offset,
                                        reply_topic=verdict.reply_topic,
                                        request_id=verdict.request_id, code=verdict.code,
-                                       message=verdict.message)
+                                       message=verdict.message, headers=verdict.trace_headers)
         else:
             await self._admit(verdict)
 
@@ -176,7 +182,7 @@ class Router:
                                        stops=tuple(req.stop)),
             num_prompt_tokens=len(admitted.token_ids), chat=admitted.chat,
             tenant=admitted.tenant, key_digest=admitted.key_digest, epoch=admitted.epoch,
-            tool_format=admitted.tool_format,
+            tool_format=admitted.tool_format, reply_headers=admitted.trace_headers,
         )
         grammar = None
         spec = _constraint(req, admitted.tool_format)
@@ -202,6 +208,8 @@ class Router:
         )
         if not self._owns(admitted.tp, admitted.epoch):  # revoked while it was prepared
             return
+        if self._tracer is not None:
+            self._tracer.begin(ctx, admitted)
         self._held.hold(key, ctx)
         try:
             self._engine_of().submit(bt.Request(
@@ -211,8 +219,12 @@ class Router:
             ))
         except EngineClosedError:
             # Shutting down: leave it unanswered and uncommitted for the next owner.
+            if self._tracer is not None:
+                self._tracer.dropped(ctx, "the engine is shutting down")
             await self._held.release(key)
         except Exception as exc:
+            if self._tracer is not None:
+                self._tracer.dropped(ctx, f"refused by the engine: {exc}")
             await self._held.release(key)
             await self._writer.error(ctx, ErrorCode.INVALID_REQUEST, str(exc))
 
@@ -241,8 +253,10 @@ OnDone = Callable[[InFlight, bt.Finished], None]
 class EventPump:
     def __init__(self, writer: ResultWriter, held: HeldRequests, engine: Engine,
                  on_done: OnDone | None = None, holds: Owns = _always,
-                 may_write: Callable[[], Awaitable[bool]] = _yes):
+                 may_write: Callable[[], Awaitable[bool]] = _yes,
+                 tracer: RequestTracer | None = None):
         self._writer = writer
+        self._tracer = tracer
         # Events of a request whose partition was revoked (handed over, or lost while this
         # worker was paused) are dropped: its new owner answers it.
         self._holds = holds
@@ -308,11 +322,15 @@ class EventPump:
         ctx: InFlight = event.origin
         if not await self._may_write() or not self._holds(ctx.topic_partition, ctx.epoch):
             if not isinstance(event, bt.Tokens):
+                if self._tracer is not None:
+                    self._tracer.dropped(ctx, "its partition went to another worker")
                 await self._held.release(event.key)
             return
         if isinstance(event, bt.Tokens):
             await self._writer.tokens(ctx, list(event.token_ids), event.logprobs)
             return
+        if self._tracer is not None:
+            self._tracer.ending(ctx, event)
         try:
             if isinstance(event, bt.Finished):
                 t = event.latency

@@ -37,6 +37,7 @@ from common.kafka_connect import connect
 from common.kafka_security import explain
 from common.settings import Settings
 from common.timeouts import within
+from common.tracing import Tracing
 from gpu_runtime import Runtime
 from gpu_runtime.planner import available_device_bytes
 from ingest.consumer import RequestIngest
@@ -57,6 +58,7 @@ from worker.metrics import MetricsServer, WorkerMetrics
 from worker.options import WorkerOptions, results_options
 from worker.requests import EventPump, HeldRequests
 from worker.supervision import StopWatchdog, WatchedTasks, quietly
+from worker.tracing import RequestTracer
 
 __all__ = ["Worker", "WorkerOptions", "WorkerTaskFailed"]
 
@@ -83,8 +85,10 @@ class WorkerTaskFailed(RuntimeError):
 class Worker:
     def __init__(self, settings: Settings, options: WorkerOptions,
                  runtime_factory: RuntimeFactory = Runtime, *,
-                 watchdog: StopWatchdog | None = None):
+                 watchdog: StopWatchdog | None = None, tracing: Tracing | None = None):
         self.settings = settings
+        # Spans of the requests it serves, as the OTEL_* variables ask (default: off).
+        self.tracing = tracing if tracing is not None else Tracing.from_env("sluice-worker")
         # Ends the process if a decided stop hangs (`sluice worker`; a worker inside
         # another program, the demo or a test, has none).
         self.watchdog = watchdog
@@ -99,12 +103,16 @@ class Worker:
         self.metrics = WorkerMetrics(options.model, settings.pool)
         self.metrics_server: MetricsServer | None = None
         self.held = HeldRequests()
+        self.tracer = (RequestTracer(self.tracing, self.held)
+                       if self.tracing else None)
+        self.tracker.watch = self.tracer
         self.deployment: ModelDeployment | None = None
         self.loaded = LoadedModel(options, settings.compile, runtime_factory, self.metrics,
-                                  on_status=self._update_status)
+                                  on_status=self._update_status,
+                                  on_step=self.tracer.on_step if self.tracer else None)
         self.ingest: RequestIngest | None = None
         self.intake = Intake(self.loaded, held=self.held, tracker=self.tracker,
-                             metrics=self.metrics)
+                             metrics=self.metrics, tracer=self.tracer)
         # Made in `run`: the producer needs the event loop.
         self.writer: ResultWriter | None = None
         self.delivery: Delivery | None = None
@@ -141,8 +149,10 @@ class Worker:
         except BaseException:
             await pool.close()
             raise
-        self.writer = ResultWriter(results_options(self.settings, self.model),
-                                   self.tracker.finish, self.metrics)
+        finished = self.tracker.finish
+        self.writer = ResultWriter(results_options(self.settings, self.model), finished
+                                   if self.tracer is None else self.tracer.acking(finished),
+                                   self.metrics)
         self.delivery = Delivery(settings=self.settings, model=self.model, writer=self.writer,
                                  tracker=self.tracker, metrics=self.metrics, tasks=self.tasks,
                                  ingest_of=lambda: self.ingest, fail=self._fail,
@@ -277,6 +287,8 @@ class Worker:
         await step(pool.close(), "closing the database pool")
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.tracer is not None:
+            await step(self.tracer.close(), "exporting the last spans")
 
     def _fail(self, what: str, exc: BaseException | None) -> None:
         why = ""
@@ -300,7 +312,7 @@ class Worker:
             assert self.writer is not None
             self.pump = EventPump(self.writer, self.held, engine,
                                   on_done=self.intake.remember_turn, holds=self.tracker.holds,
-                                  may_write=self.membership.confirmed)
+                                  may_write=self.membership.confirmed, tracer=self.tracer)
         else:
             self.pump.switch(engine)
         if self.ingest is not None:

@@ -5,6 +5,7 @@ an acknowledgement that fails, a topic the broker says is gone)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ class FakeProducer:
     refuse_send: dict[str, list[Exception]] = field(default_factory=dict)  # per try
     fail_ack: dict[str, Exception] = field(default_factory=dict)
     acked: list[tuple[str, bytes | None, bytes]] = field(default_factory=list)
+    headers: list[Sequence[tuple[str, bytes]] | None] = field(default_factory=list)  # per ack
     started: bool = False
 
     async def start(self) -> None:
@@ -26,7 +28,8 @@ class FakeProducer:
     async def stop(self) -> None:
         self.started = False
 
-    async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[Any]:
+    async def send(self, topic: str, value: bytes, key: bytes | None,
+                   headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
         refusals = self.refuse_send.get(topic)
         if refusals:
             raise refusals.pop(0)
@@ -35,6 +38,7 @@ class FakeProducer:
             future.set_exception(self.fail_ack[topic])
         else:
             self.acked.append((topic, key, value))
+            self.headers.append(headers)
             future.set_result(None)
         return future
 
