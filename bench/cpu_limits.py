@@ -21,10 +21,20 @@ ROOFLINE_DTYPES = {"float32": "float32", UNPACKED: "float32", "F32": "float32",
 PEAK_ROWS = 512
 
 
-def step_bytes(variant: str) -> float:
+def step_bytes(variant: str, gguf_file: str | None = None) -> float:
     """Bytes a batch-1 decode step reads for SmolLM2-135M (134.5 M parameters, the tied
-    embedding read once as the LM head), at a variant's bytes per weight."""
+    embedding read once as the LM head), at a variant's bytes per weight; for a GGUF
+    file served as it is, the file's tensor bytes (each read once a step)."""
+    if gguf_file is not None:
+        return gguf_tensor_bytes(gguf_file)
     return SMOLLM2_PARAMS * BYTES_PER_WEIGHT[variant]
+
+
+def gguf_tensor_bytes(path: str) -> float:
+    """The bytes of a GGUF file's tensors (its weights at their own precision)."""
+    import gguf
+
+    return float(sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors))
 
 
 def measure_matmul_peak(dtype_name: str) -> float:

@@ -24,7 +24,7 @@ def measure(engine: str, variant: str, path: str, threads: int, jobs: tuple[str,
     if engine == "transformers":  # the reference: greedy tokens only
         return {"greedy": _transformers_greedy(path, variant, threads, prompt_ids)}
     runner = (_SluiceRunner(path, variant, threads) if engine == "sluice"
-              else LlamaRunner(path, threads))
+              else LlamaRunner(path, threads, repack=not variant.endswith("no-repack")))
     out: dict[str, Any] = {}
     for job in jobs:
         if job == "greedy":

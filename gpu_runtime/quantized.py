@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 KERNEL_QTYPES = {"Q8_0": 1, "Q5_0": 2, "Q6_K": 3, "Q4_K": 4, "Q4_0": 5, "Q4_1": 5}
 SUPER = {"Q6_K": 256, "Q4_K": 256}  # inputs per super-block (the others: 32)
 BLOCK_ROWS = 32
-MAX_ROWS = 128  # rows a kernel call takes (decode_layers.c MAX_ROWS)
+MAX_ROWS = 128  # rows of the decode kernel's calls (decode_layers.c MAX_ROWS)
+LINEAR_ROWS = 4096  # rows a QuantizedLinear call takes (decode_layers.c QLINEAR_ROWS)
 
 
 class QuantizedWeightError(ModelLoadError):
@@ -219,11 +220,12 @@ class QuantizedLinear(nn.Module):
         dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         flat = x.reshape(-1, self.in_features).to(dtype).contiguous()
         out = torch.empty((flat.shape[0], self.out_features), dtype=dtype)
-        scratch = torch.empty(lib.sluice_quant_scratch_bytes(MAX_ROWS, self.in_features),
+        chunk = min(LINEAR_ROWS, flat.shape[0])
+        scratch = torch.empty(lib.sluice_quant_scratch_bytes(chunk, self.in_features),
                               dtype=torch.uint8)
         struct, bf16 = self.struct(), int(dtype == torch.bfloat16)
-        for start in range(0, flat.shape[0], MAX_ROWS):
-            rows = min(MAX_ROWS, flat.shape[0] - start)
+        for start in range(0, flat.shape[0], chunk):
+            rows = min(chunk, flat.shape[0] - start)
             rc = lib.sluice_qlinear(ctypes.byref(struct), flat[start].data_ptr(), rows,
                                     out[start].data_ptr(), bf16, torch.get_num_threads(),
                                     scratch.data_ptr())

@@ -284,12 +284,15 @@ int sluice_project(const sluice_proj *p, const void *x, int rows, float *y, int 
 
 /* y [rows, N] = x [rows, K] W^T (+ b) in the model's dtype (bf16: bfloat16, else float32)
    on quantized weights: a quantized Linear's forward outside the decode kernel (prefill
-   chunks, larger steps), MAX_ROWS rows a call. Returns 0, or -1 for rows out of range or
-   weights not quantized. */
+   chunks, larger steps), up to QLINEAR_ROWS rows a call (each block's weights serve all
+   of them from the cache). Returns 0, or -1 for rows out of range or weights not
+   quantized. */
+#define QLINEAR_ROWS 4096
 int sluice_qlinear(const sluice_proj *p, const void *x, int rows, void *y, int bf16,
                    int num_threads, void *qscratch)
 {
-    if (rows < 1 || rows > MAX_ROWS || !p->qtype || !qtype_fits(p->qtype, p->in_features)) return -1;
+    if (rows < 1 || rows > QLINEAR_ROWS || !p->qtype || !qtype_fits(p->qtype, p->in_features))
+        return -1;
     #pragma omp parallel num_threads(num_threads)
     qproject(p, x, rows, y, NULL, bf16, 0, qscratch);
     return 0;
