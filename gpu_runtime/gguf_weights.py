@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,16 +58,98 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def _reader(path: Path):
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    kind: str  # the GGML type's name: "Q8_0", "F32", ...
+    shape: tuple[int, ...]  # GGUF order: the row length first
+    data: np.ndarray  # the tensor's bytes, uint8, memory-mapped
+
+    @property
+    def rows_and_length(self) -> tuple[int, int]:
+        k = self.shape[0]
+        return int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1, k
+
+
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+def read_tensors(path: Path) -> list[TensorInfo]:
+    """The tensors of a GGUF file (v2/v3), their data memory-mapped. The metadata is
+    walked over, not parsed (the `gguf` package's reader parses every value, 11 s for
+    a tokenizer's 100k strings; this takes a few milliseconds)."""
+    import gguf
+
     try:
-        import gguf
-    except ImportError:
-        raise ModelLoadError("serving a GGUF file needs the gguf package: "
-                             "pip install 'sluice-engine[gguf]'") from None
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise ModelLoadError(f"cannot read {path} as GGUF: {exc}") from None
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    buf = memoryview(raw)
+    at = 0
+
+    def take(size: int) -> bytes:
+        nonlocal at
+        if at + size > len(buf):
+            raise ModelLoadError(f"{path} ends inside its header: not a whole GGUF file")
+        out = bytes(buf[at : at + size])
+        at += size
+        return out
+
+    def u32() -> int:
+        return int.from_bytes(take(4), "little")
+
+    def u64() -> int:
+        return int.from_bytes(take(8), "little")
+
+    def skip_value(kind: int) -> None:
+        nonlocal at
+        if kind in _FIXED:
+            at += _FIXED[kind]
+        elif kind == _STRING:
+            length = u64()  # read first: `at += u64()` would add to the old `at`
+            at += length
+        elif kind == _ARRAY:
+            item, count = u32(), u64()
+            if item in _FIXED:
+                at += _FIXED[item] * count
+            else:
+                for _ in range(count):
+                    skip_value(item)
+        else:
+            raise ModelLoadError(f"{path}: unknown GGUF value type {kind}")
+
+    if take(4) != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file")
+    if u32() not in (2, 3):
+        raise ModelLoadError(f"{path}: GGUF version not 2 or 3")
+    tensor_count, kv_count = u64(), u64()
+    alignment = 32
+    for _ in range(kv_count):
+        key = take(u64()).decode("utf-8", "replace")
+        kind = u32()
+        if key == "general.alignment" and kind == _UINT32:
+            alignment = u32()
+        else:
+            skip_value(kind)
+    infos = []
+    for _ in range(tensor_count):
+        name = take(u64()).decode()
+        shape = tuple(u64() for _ in range(u32()))
+        kind, offset = u32(), u64()
+        infos.append((name, shape, kind, offset))
+    start = -(-at // alignment) * alignment
+    tensors = []
+    for name, shape, kind, offset in infos:
+        try:
+            ggml = gguf.GGMLQuantizationType(kind)
+        except ValueError:
+            raise ModelLoadError(f"{path}: tensor {name} has unknown type {kind}") from None
+        block, size = gguf.GGML_QUANT_SIZES[ggml]
+        n_bytes = int(np.prod(shape)) // block * size
+        begin = start + offset
+        tensors.append(TensorInfo(name, ggml.name, shape, raw[begin : begin + n_bytes]))
+    return tensors
 
 
 def _rope_rows(rows: int, heads: int) -> np.ndarray:
@@ -76,20 +159,18 @@ def _rope_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _raw_rows(tensor) -> tuple[np.ndarray, int, int, str]:
-    """A tensor's rows as [N, bytes a row] uint8 (or its float values), N, K, type name."""
-    import gguf
-
-    kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
-    shape = [int(v) for v in tensor.shape]  # GGUF order: K first
-    k, n = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
-    data = np.asarray(tensor.data)
-    if kind in FLOAT_TYPES:
-        if kind == "BF16":
-            values = torch.from_numpy(data.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16)
-            return values.float().numpy(), n, k, kind
-        return data.reshape(n, k).astype(np.float32), n, k, kind
-    return data.reshape(n, -1), n, k, kind
+def _raw_rows(tensor: TensorInfo) -> tuple[np.ndarray, int, int, str]:
+    """A tensor's rows as [N, bytes a row] uint8 (float types: float32 values), N, K, type."""
+    n, k = tensor.rows_and_length
+    data = tensor.data
+    if tensor.kind == "F32":
+        return data.view(np.float32).reshape(n, k), n, k, tensor.kind
+    if tensor.kind == "F16":
+        return data.view(np.float16).reshape(n, k).astype(np.float32), n, k, tensor.kind
+    if tensor.kind == "BF16":
+        bits = torch.from_numpy(data.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16)
+        return bits.float().numpy(), n, k, tensor.kind
+    return data.reshape(n, -1), n, k, tensor.kind
 
 
 def _quantized(raw: np.ndarray, n: int, k: int, kind: str) -> QuantizedLinear:
@@ -114,13 +195,15 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype,
     if torch.device(device).type != "cpu":
         raise ModelLoadError("quantized GGUF weights are served on the CPU; for a GPU, import "
                              "the file as float (`sluice models import-gguf --dtype bfloat16`)")
-    reader = _reader(path)
+    _needs_gguf()
+    tensors = read_tensors(path)
     with torch.device("meta"):
         model = CausalLM(config)
     floats: dict[str, torch.Tensor] = {}
     converted: dict[str, int] = {}
+    formats: dict[str, int] = {}  # tensors by the format they are held in
     quantized_embedding: QuantizedLinear | None = None
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
@@ -130,12 +213,14 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype,
         elif name.endswith("k_proj.weight"):
             raw = raw[_rope_rows(n, config.num_kv_heads)]
         if kind in FLOAT_TYPES:
-            values = torch.from_numpy(np.ascontiguousarray(raw))
-            floats[name] = values.reshape(-1) if name.endswith(("norm.weight", ".bias")) else values
+            values = torch.from_numpy(np.array(raw, dtype=np.float32))  # a copy: maps are read-only
+            one_row = name.endswith(("norm.weight", ".bias"))
+            floats[name] = values.reshape(-1) if one_row else values
             continue
         if kind not in KERNEL_QTYPES or k % SUPER.get(kind, 32):
             converted[kind] = converted.get(kind, 0) + 1
         module = _quantized(raw, n, k, kind)
+        formats[module.fmt] = formats.get(module.fmt, 0) + 1
         if name == "model.embed_tokens.weight":
             quantized_embedding = module
         else:
@@ -143,7 +228,7 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype,
     if converted:
         log.info("GGUF tensors stored as Q8_0 (the kernels do not multiply their format): %s",
                  ", ".join(f"{count} {kind}" for kind, count in sorted(converted.items())))
-    tied = not _has(reader, "output.weight")  # the embedding is the output layer too
+    tied = not any(t.name == "output.weight" for t in tensors)  # the embedding: the output too
     if quantized_embedding is not None:
         model.model.embed_tokens = QuantizedEmbedding(quantized_embedding, dtype)
         if tied:
@@ -158,11 +243,21 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype,
     model.load_state_dict(state, strict=False, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
+    # what the runtime reports (worker log, sluice_model_weights): "GGUF 211 Q8_0", ...
+    model.weights_format = "GGUF " + ", ".join(
+        f"{count} {fmt}" for fmt, count in sorted(formats.items(), key=lambda kv: -kv[1]))
+    if converted:
+        model.weights_format += " (as Q8_0: " + ", ".join(
+            f"{count} {kind}" for kind, count in sorted(converted.items())) + ")"
     return model.eval()
 
 
-def _has(reader, name: str) -> bool:
-    return any(t.name == name for t in reader.tensors)
+def _needs_gguf() -> None:
+    try:
+        import gguf  # noqa: F401 - its dequantizer and type table
+    except ImportError:
+        raise ModelLoadError("serving a GGUF file needs the gguf package: "
+                             "pip install 'sluice-engine[gguf]'") from None
 
 
 def _swap(model: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -176,21 +271,17 @@ def _swap(model: nn.Module, dotted: str, module: nn.Module) -> None:
 def gguf_weight_bytes(path: Path) -> int:
     """Bytes the model's weights take once loaded (the memory planner's figure): each
     quantized tensor in the kernel's layout, float tensors as float32."""
-    import gguf
-
     from gpu_runtime.quantized import BLOCK_ROWS, _kernel
 
-    reader = _reader(path)
+    _needs_gguf()
     lib = _kernel()
     total = 0
-    for tensor in reader.tensors:
-        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
-        shape = [int(v) for v in tensor.shape]
-        k, n = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        if kind in FLOAT_TYPES:
+    for tensor in read_tensors(path):
+        n, k = tensor.rows_and_length
+        if tensor.kind in FLOAT_TYPES:
             total += n * k * 4
             continue
-        qtype = KERNEL_QTYPES.get(kind, KERNEL_QTYPES["Q8_0"])
+        qtype = KERNEL_QTYPES.get(tensor.kind, KERNEL_QTYPES["Q8_0"])
         per_block = lib.sluice_qblock_bytes(qtype, k) or lib.sluice_qblock_bytes(1, k)
         total += -(-n // BLOCK_ROWS) * per_block
     return total

@@ -101,6 +101,10 @@ class Runtime:
         self.runner = runner if self.ranks is None else TPRunner(runner, self.ranks, self.adapters)
         self.table = SequenceTable(BlockManager(num_blocks, config.block_size))
         self.model_dir = Path(model_path)  # the folder served (a .gguf file: its folder)
+        # the weights as held: a GGUF file's quantized formats, else the dtype
+        model = getattr(self.runner, "model", None)
+        self.weights_format: str = getattr(model, "weights_format",
+                                           str(dtype).removeprefix("torch."))
         self.tokenizer = load_tokenizer(model_path)
         self._grammars: Grammars | None = None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)

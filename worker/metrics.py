@@ -103,6 +103,10 @@ class WorkerMetrics:
         self._max_ttft = Gauge("sluice_max_ttft_seconds",
                                "The model's max_ttft (placement): a request without its "
                                "first token by then times out.", _BASE, registry=r)
+        self._weights = Gauge("sluice_model_weights",
+                              "1 for the weights the worker serves: a GGUF file's formats "
+                              "as held (\"GGUF 211 Q8_0\"), else the dtype.",
+                              [*_BASE, "format"], registry=r)
         self._itl = histogram("sluice_inter_token_seconds",
                               "Time between consecutive tokens of one request.",
                               LATENCY_BUCKETS)
@@ -188,6 +192,12 @@ class WorkerMetrics:
 
     def set_max_ttft(self, seconds: float) -> None:
         self._max_ttft.labels(self.model, self.pool).set(seconds)
+
+    def set_weights_format(self, weights: str) -> None:
+        """1 for the weights as loaded (a GGUF file's quantization, or the dtype), the
+        format before a reload removed."""
+        self._weights.clear()
+        self._weights.labels(self.model, self.pool, weights).set(1)
 
     # ---- requests ----------------------------------------------------------------------
 

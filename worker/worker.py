@@ -319,8 +319,11 @@ class Worker:
             self.ingest.adapters = frozenset(self.loaded.adapters.names)
         assert self.delivery is not None
         await self.delivery.use(dep)
-        log.info("loaded %s (revision %d, adapters %s) in %.1f s", dep.model, dep.revision,
-                 sorted(self.loaded.adapters.names), time.monotonic() - started)
+        weights = getattr(self.loaded.runtime, "weights_format", "unknown")
+        log.info("loaded %s (revision %d, weights %s, adapters %s) in %.1f s", dep.model,
+                 dep.revision, weights, sorted(self.loaded.adapters.names),
+                 time.monotonic() - started)
+        self.metrics.set_weights_format(weights)
         config = self.loaded.runtime_config(dep)
         if config.compile and config.tp == 1:
             # Serve first: eager steps answer at once, and the compiled graphs are swapped
