@@ -7,14 +7,22 @@ lines, by next-token prediction with Adam through the runtime's own model
 code (each step is one ragged prefill of every training sequence).
 `train_tiny_adapter` then trains a rank-r LoRA on every projection of the
 frozen base so the same questions get another voice's answers, and writes it
-in PEFT format. It memorises; it does not generalise. A few seconds each on a
-CPU. Used by `sluice demo` and `sluice models make-tiny --train-steps`.
+in PEFT format. It memorises; it does not generalise. Used by `sluice demo` and
+`sluice models make-tiny --train-steps`.
+
+Teaching runs on one torch thread. Its tensors are tiny (64 wide, ~1,500 tokens a
+step), so a second thread gains little even on an idle machine, and on two cores
+shared with the broker starting beside it (the demo starts both at once) the
+threads' spin-waits lose to each other: 390 ms a step on two threads against
+40 ms on one, measured on a busy 2-core EPYC. One thread also fixes the order of
+every float sum, so a machine teaches the same weights each time.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,6 +86,18 @@ def training_sequences(tokenizer: Tokenizer, answers: Sequence[str],
     return sequences
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the block (see the module docstring)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@_one_thread()
 def _fit(model: CausalLM, params: list[nn.Parameter],
          sequences: list[tuple[list[int], int]], steps: int, lr: float,
          on_step: OnStep | None) -> float:
