@@ -180,10 +180,13 @@ class _TrainableLora(nn.Module):
 
 
 def train_tiny_adapter(model_dir: str | Path, out_dir: str | Path, answers: Sequence[str],
-                       rank: int = 8, steps: int = 100, lr: float = 1e-2, seed: int = 0,
+                       rank: int = 8, steps: int = 100, lr: float = 2e-2, seed: int = 0,
                        on_step: OnStep | None = None) -> float:
     """Train a LoRA (all seven projections, rank `rank`) of the frozen model in
-    `model_dir` to give `answers`; write it to `out_dir` in PEFT format."""
+    `model_dir` to give `answers`; write it to `out_dir` in PEFT format.
+
+    lr 2e-2: at 1e-2 the sailor's second answer came out as its third (seed 0); at
+    2e-2 every voice gave all three of its answers on seeds 0, 1 and 2."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     generator = torch.Generator().manual_seed(seed)
     model, _, tokenizer = _load(model_dir)
