@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from common.settings import Settings
+from gpu_runtime.cpu_attention import load as load_native_attention
 from modelfiles.tiny_train import QUESTIONS, SYSTEM
 from schemas import DoneEvent, TimeoutEvent, TokenEvent
 from sluice.batch import run_batch
@@ -73,11 +75,12 @@ def _teach(model_dir: Path, adapters: list[Path]) -> float:
 
 async def _prepare(workdir: Path, console: Console,
                    start_infra: Callable[[], object] | None) -> tuple[Path, list[Path]]:
-    """The taught model and adapters, while the local broker and database start.
+    """The taught model and adapters, while the local broker and database start and
+    the native CPU kernels are built.
 
-    The two are independent and each takes seconds, so a first run does them side by
-    side: the JVM's start and PostgreSQL's initdb are mostly one core, the teaching is
-    one torch thread (`modelfiles.tiny_train`)."""
+    The three are independent and each takes seconds, so a first run does them side by
+    side: the JVM's start and PostgreSQL's initdb wait on much besides the CPU, the
+    teaching is one torch thread (`modelfiles.tiny_train`), the build is `cc`."""
     model_dir, adapters, taught = _taught(workdir)
     jobs: dict[asyncio.Task[object], str] = {}
     if start_infra is not None:
@@ -86,9 +89,14 @@ async def _prepare(workdir: Path, console: Console,
         jobs[asyncio.create_task(asyncio.to_thread(_teach, model_dir, adapters))] = "teach"
     if not jobs:
         return model_dir, adapters
+    if not torch.cuda.is_available():
+        # Built with the C compiler once per machine (seconds on two cores, `cc` beside
+        # the rest), then loaded from the cache: the worker would build it at its start.
+        jobs[asyncio.create_task(asyncio.to_thread(load_native_attention))] = "kernels"
     waiting = {
         "infra": "starting the local Kafka broker and PostgreSQL",
         "teach": "teaching the tiny model and its adapters their lines (first run only)",
+        "kernels": "building the native CPU kernels (once per machine)",
     }
     started, pending = time.monotonic(), set(jobs)
 
@@ -103,6 +111,8 @@ async def _prepare(workdir: Path, console: Console,
                 if jobs[task] == "infra":
                     task.result()
                     console.print(f"Kafka and PostgreSQL ready in {seconds:.1f} s")
+                elif jobs[task] == "kernels":
+                    console.print(f"native CPU kernels ready in {seconds:.1f} s")
                 else:
                     console.print(f"taught the tiny model (loss {task.result():.3f}) and "
                                   f"{len(adapters)} adapters in {seconds:.1f} s")
