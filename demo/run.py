@@ -14,6 +14,7 @@ two-turn chat, the second turn reusing the first from the KV cache.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import statistics
@@ -28,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from common.settings import Settings
+from common.threads import in_own_thread
 from gpu_runtime.cpu_attention import load as load_native_attention
 from modelfiles.tiny_train import QUESTIONS, SYSTEM
 from schemas import DoneEvent, TimeoutEvent, TokenEvent
@@ -86,13 +88,15 @@ async def _prepare(workdir: Path, console: Console,
     if start_infra is not None:
         jobs[asyncio.create_task(asyncio.to_thread(start_infra))] = "infra"
     if not taught:
-        jobs[asyncio.create_task(asyncio.to_thread(_teach, model_dir, adapters))] = "teach"
+        jobs[asyncio.create_task(in_own_thread(_teach, model_dir, adapters))] = "teach"
     if not jobs:
         return model_dir, adapters
     if not torch.cuda.is_available():
         # Built with the C compiler once per machine (seconds on two cores, `cc` beside
         # the rest), then loaded from the cache: the worker would build it at its start.
-        jobs[asyncio.create_task(asyncio.to_thread(load_native_attention))] = "kernels"
+        # The torch work here is on threads that end with it (`common.threads`: an
+        # executor thread would keep an OpenMP pool beside the worker's step thread).
+        jobs[asyncio.create_task(in_own_thread(load_native_attention))] = "kernels"
     waiting = {
         "infra": "starting the local Kafka broker and PostgreSQL",
         "teach": "teaching the tiny model and its adapters their lines (first run only)",
@@ -249,8 +253,8 @@ async def _real_model_chat(settings: Settings, client: Client, console: Console)
         return 0
     title = "importing SmolLM2-135M-Instruct from its GGUF file (once)"
     with console.status(title) as status:
-        model_dir = await asyncio.to_thread(
-            smollm2_dir, say=lambda step: status.update(f"{title}: {step}"))
+        model_dir = await in_own_thread(
+            functools.partial(smollm2_dir, say=lambda step: status.update(f"{title}: {step}")))
     assert model_dir is not None
     model = await asyncio.to_thread(_register_model, client, model_dir, f"{MODEL}-smollm2")
     key = await asyncio.to_thread(client.keys.create, tenant="demo")
