@@ -11,11 +11,12 @@ in PEFT format. It memorises; it does not generalise. Used by `sluice demo` and
 `sluice models make-tiny --train-steps`.
 
 Teaching runs on one torch thread. Its tensors are tiny (64 wide, ~1,500 tokens a
-step), so a second thread gains little even on an idle machine, and on two cores
-shared with the broker starting beside it (the demo starts both at once) the
-threads' spin-waits lose to each other: 390 ms a step on two threads against
-40 ms on one, measured on a busy 2-core EPYC. One thread also fixes the order of
-every float sum, so a machine teaches the same weights each time.
+step), so a second thread gains nothing, and on two cores that are busy with
+something else as well (the demo starts the broker beside it) two threads'
+spin-waits lose to each other. Measured on a 2-core EPYC shared with other work:
+the whole teaching 8.4 s on one thread, 8.9 s on two (load average ~1.8); one
+step 40 ms on one thread, 390 ms on two (load average ~6). One thread also fixes
+the order of every float sum, so a machine teaches the same weights each time.
 """
 
 from __future__ import annotations
