@@ -61,6 +61,9 @@ class Runtime:
         self.device = torch.device(config.device)
         check_tp(mc, config.tp)
         gguf_file = weights_file(model_path)
+        if gguf_file is not None and config.compile:
+            # the quantized products are native calls, which torch.compile cannot trace
+            self.config = config = dataclasses.replace(config, compile=False)
         # a GGUF file's quantized products compute in float32 (their activations' dtype)
         dtype = resolve_dtype(config.dtype or ("float32" if gguf_file is not None
                                                else default_dtype(mc, self.device)))

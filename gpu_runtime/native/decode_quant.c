@@ -31,6 +31,14 @@
 
 enum { Q_FLOAT = 0, Q8_0 = 1, Q5_0 = 2, Q6_K = 3, Q4_K = 4, Q4_32 = 5 };
 
+#ifndef Q_AHEAD
+#define Q_AHEAD 2048  /* bytes a block's weight stream is prefetched ahead */
+#endif
+#ifndef PRIVATE_ROWS
+#define PRIVATE_ROWS 2      /* rows each thread quantizes for itself (qproject) */
+#endif
+#define PRIVATE_WIDTH 8192  /* ... of up to this many inputs: 16 KiB of its stack and sums */
+
 #if SIMD16_ISA == 512
 #define QROW_GROUP 4  /* rows a block's quantized products hold at once: 32 zmm */
 #else
@@ -143,30 +151,34 @@ static inline qacts qacts_at(void *scratch, int64_t M, int64_t K)
     return a;
 }
 
+/* Row m's inputs g*32 .. g*32+31 of x [M][K] quantized into a. */
+static inline void quantize_group(const void *x, int64_t m, int64_t g, int64_t K, int bf16, qacts a)
+{
+    const int64_t groups = K / 32, at = m * K + g * 32;
+    const vf v0 = load16(elem(x, at, bf16), bf16), v1 = load16(elem(x, at + 16, bf16), bf16);
+    const vf amax = vf_max(vf_max(v0, vf_sub(vf_zero(), v0)), vf_max(v1, vf_sub(vf_zero(), v1)));
+    const float d = vf_reduce_max(amax) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    float r[32];
+    vf_storeu(r, vf_round(vf_mul(v0, vf_set1(id))));
+    vf_storeu(r + 16, vf_round(vf_mul(v1, vf_set1(id))));
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 32; i++) {
+        const int v = (int)r[i];
+        a.q[at + i] = (int8_t)v;
+        if (i < 16) s0 += v; else s1 += v;
+    }
+    a.d[m * groups + g] = d;
+    a.sum16[m * (K / 16) + 2 * g] = s0;
+    a.sum16[m * (K / 16) + 2 * g + 1] = s1;
+}
+
 /* x [M][K] (float32 or bfloat16) quantized into a, 32 values at a time (shared out
    between the region's threads; a barrier after). */
 static void quantize_acts(const void *x, int M, int64_t K, int bf16, qacts a)
 {
     const int64_t groups = K / 32;
     #pragma omp for schedule(static)
-    for (int64_t j = 0; j < M * groups; j++) {
-        const int64_t m = j / groups, g = j % groups, at = m * K + g * 32;
-        const vf v0 = load16(elem(x, at, bf16), bf16), v1 = load16(elem(x, at + 16, bf16), bf16);
-        const vf amax = vf_max(vf_max(v0, vf_sub(vf_zero(), v0)), vf_max(v1, vf_sub(vf_zero(), v1)));
-        const float d = vf_reduce_max(amax) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        float r[32];
-        vf_storeu(r, vf_round(vf_mul(v0, vf_set1(id))));
-        vf_storeu(r + 16, vf_round(vf_mul(v1, vf_set1(id))));
-        int32_t s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; i++) {
-            const int v = (int)r[i];
-            a.q[at + i] = (int8_t)v;
-            if (i < 16) s0 += v; else s1 += v;
-        }
-        a.d[m * groups + g] = d;
-        a.sum16[m * (K / 16) + 2 * g] = s0;
-        a.sum16[m * (K / 16) + 2 * g + 1] = s1;
-    }
+    for (int64_t j = 0; j < M * groups; j++) quantize_group(x, j / groups, j % groups, K, bf16, a);
 }
 
 /* The 32 outputs of one block for M (<= QROW_GROUP) rows, 8-bit weights with one
@@ -184,11 +196,10 @@ qcols_8(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int offset, co
         for (int c = 0; c < 2; c++)
             for (int m = 0; m < M; m++) acc[c][m] = vq_zero();
         const uint8_t *w = wb + g * 32 * 32;
-        _mm_prefetch((const char *)(w + 8 * 1024), _MM_HINT_T0);
         for (int step = 0; step < 8; step++) {  /* 4 inputs a step */
             const uint8_t *ws = w + step * 128;
-            _mm_prefetch((const char *)(ws + 2048), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + 2048 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
             vq w0 = vq_load(ws), w1 = vq_load(ws + 64);
             if (signed_path) { w0 = vq_flip(w0); w1 = vq_flip(w1); }
             for (int m = 0; m < M; m++) {
@@ -229,8 +240,8 @@ qcols_6k(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, 
         const uint8_t *w = wb + g * 16 * 32;
         for (int step = 0; step < 4; step++) {
             const uint8_t *ws = w + step * 128;
-            _mm_prefetch((const char *)(ws + 2048), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + 2048 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
             const vq w0 = vq_load(ws), w1 = vq_load(ws + 64);
             for (int m = 0; m < M; m++) {
                 const vq xb = vq_bcast(a->q + (m0 + m) * K + g * 16 + step * 4);
@@ -271,8 +282,8 @@ qcols_4(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int64_t super,
         const uint8_t *w = wb + g * 16 * 32;
         for (int step = 0; step < 4; step++) {  /* 8 inputs a step */
             const uint8_t *ws = w + step * 128;
-            _mm_prefetch((const char *)(ws + 2048), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + 2048 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
             const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
             const vq lo0 = vq_lo4(v0), lo1 = vq_lo4(v1), hi0 = vq_hi4(v0), hi1 = vq_hi4(v1);
             for (int m = 0; m < M; m++) {
@@ -344,8 +355,21 @@ static void qproject(const sluice_proj *p, const void *x, int M, void *y, void *
                      int bf16, int y_f32, void *scratch)
 {
     const int64_t K = p->in_features, N = p->out_features, bytes = qblock_bytes(p->qtype, K);
-    const qacts a = qacts_at(scratch, M, K);
-    quantize_acts(x, M, K, bf16, a);  /* a barrier after */
+    /* Up to PRIVATE_ROWS rows each thread quantizes all of x itself, on its stack: a few
+       hundred values a row, where sharing them out would cost a barrier per product
+       (five a layer) */
+    int8_t own_q[PRIVATE_ROWS * PRIVATE_WIDTH] __attribute__((aligned(64)));
+    float own_d[PRIVATE_ROWS * PRIVATE_WIDTH / 32];
+    int32_t own_sums[PRIVATE_ROWS * PRIVATE_WIDTH / 16];
+    qacts a;
+    if (M <= PRIVATE_ROWS && K <= PRIVATE_WIDTH) {
+        a.q = own_q; a.d = own_d; a.sum16 = own_sums;
+        for (int m = 0; m < M; m++)
+            for (int64_t g = 0; g < K / 32; g++) quantize_group(x, m, g, K, bf16, a);
+    } else {
+        a = qacts_at(scratch, M, K);
+        quantize_acts(x, M, K, bf16, a);  /* a barrier after */
+    }
     int64_t first, count;
     thread_part((N + COLS - 1) / COLS, &first, &count);
     for (int64_t blk = first; blk < first + count; blk++)
