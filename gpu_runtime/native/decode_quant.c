@@ -34,6 +34,9 @@ enum { Q_FLOAT = 0, Q8_0 = 1, Q5_0 = 2, Q6_K = 3, Q4_K = 4, Q4_32 = 5 };
 #ifndef Q_AHEAD
 #define Q_AHEAD 2048  /* bytes a block's weight stream is prefetched ahead */
 #endif
+#ifndef Q4_SPLIT_ROWS
+#define Q4_SPLIT_ROWS 2  /* 1B-class Q4_K_M, batch 1, paired A/B: 30.7 against 28.6 tok/s */
+#endif
 #ifndef PRIVATE_ROWS
 #define PRIVATE_ROWS 2      /* rows each thread quantizes for itself (qproject) */
 #endif
@@ -52,6 +55,7 @@ static inline vq vq_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline vq vq_zero(void) { return _mm512_setzero_si512(); }
 static inline vq vq_bcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline vq vq_sub_i32(vq a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+static inline vq vq_add(vq a, vq b) { return _mm512_add_epi32(a, b); }
 static inline vq vq_lo4(vq v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 static inline vq vq_hi4(vq v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 static inline vf vq_float(vq v) { return _mm512_cvtepi32_ps(v); }
@@ -92,6 +96,7 @@ static inline vq vq_sub_i32(vq a, int32_t s) {
     const __m256i b = _mm256_set1_epi32(s);
     return (vq){_mm256_sub_epi32(a.lo, b), _mm256_sub_epi32(a.hi, b)};
 }
+static inline vq vq_add(vq a, vq b) { return (vq){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 static inline vq vq_lo4(vq v) {
     const __m256i m = _mm256_set1_epi8(0x0F);
     return (vq){_mm256_and_si256(v.lo, m), _mm256_and_si256(v.hi, m)};
@@ -276,9 +281,12 @@ qcols_4(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int64_t super,
     for (int c = 0; c < 2; c++)
         for (int m = 0; m < M; m++) out[c][m] = vf_zero();
     for (int64_t g = 0; g < K / 32; g++) {
-        vq acc[2][QROW_GROUP];
+        /* the low and high nibbles' products into separate sums up to Q4_SPLIT_ROWS rows:
+           two dependency chains a column set, not one of twice the length */
+        const int split = M <= Q4_SPLIT_ROWS;
+        vq acc[2][QROW_GROUP], high[2][QROW_GROUP];
         for (int c = 0; c < 2; c++)
-            for (int m = 0; m < M; m++) acc[c][m] = vq_zero();
+            for (int m = 0; m < M; m++) { acc[c][m] = vq_zero(); high[c][m] = vq_zero(); }
         const uint8_t *w = wb + g * 16 * 32;
         for (int step = 0; step < 4; step++) {  /* 8 inputs a step */
             const uint8_t *ws = w + step * 128;
@@ -289,10 +297,20 @@ qcols_4(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int64_t super,
             for (int m = 0; m < M; m++) {
                 const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
                 const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
-                acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
-                acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
+                if (split) {
+                    acc[0][m] = vq_dot(acc[0][m], lo0, xl);
+                    acc[1][m] = vq_dot(acc[1][m], lo1, xl);
+                    high[0][m] = vq_dot(high[0][m], hi0, xh);
+                    high[1][m] = vq_dot(high[1][m], hi1, xh);
+                } else {
+                    acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
+                    acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
+                }
             }
         }
+        if (split)
+            for (int c = 0; c < 2; c++)
+                for (int m = 0; m < M; m++) acc[c][m] = vq_add(acc[c][m], high[c][m]);
         const int64_t sb = g * 32 / super;
         const vf s0 = vf_mul(vf_from_f16(d + sb * 32), vf_from_u8(sc + g * 32));
         const vf s1 = vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_u8(sc + g * 32 + 16));
