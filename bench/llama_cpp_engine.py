@@ -35,19 +35,24 @@ def gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str, Path
               "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
               "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
     for variant, ftype in ftypes.items():
-        if files[variant].is_file():
-            continue
-        say(f"quantizing F32 -> {variant} with llama.cpp ...")
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        params.nthread = os.cpu_count() or 1
-        partial = files[variant].with_suffix(".partial")
-        rc = llama_cpp.llama_model_quantize(str(files["F32"]).encode(), str(partial).encode(),
-                                            params)
-        if rc != 0:
-            raise RuntimeError(f"llama.cpp could not quantize to {variant} (code {rc})")
-        partial.rename(files[variant])
+        if not files[variant].is_file():
+            say(f"quantizing F32 -> {variant} with llama.cpp ...")
+            _quantize(files["F32"], files[variant], ftype)
     return files
+
+
+def _quantize(source: Path, out: Path, ftype: int) -> None:
+    """`source` quantized to `ftype` by llama.cpp's own quantizer (all cores), made whole
+    beside `out` and renamed into place."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    partial = out.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source.name} to {out.name}")
+    partial.rename(out)
 
 
 def _dequantized_copy(source: Path, out: Path) -> None:
@@ -97,17 +102,9 @@ def large_gguf_files(say: Callable[[str], None] = lambda line: None) -> dict[str
     ftypes = {"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
               "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}
     for variant, ftype in ftypes.items():
-        if files[variant].is_file():
-            continue
-        say(f"quantizing the 1B-class F16 -> {variant} with llama.cpp ...")
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        params.nthread = os.cpu_count() or 1
-        partial = files[variant].with_suffix(".partial")
-        if llama_cpp.llama_model_quantize(str(files["F16"]).encode(), str(partial).encode(),
-                                          params) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize the 1B shape to {variant}")
-        partial.rename(files[variant])
+        if not files[variant].is_file():
+            say(f"quantizing the 1B-class F16 -> {variant} with llama.cpp ...")
+            _quantize(files["F16"], files[variant], ftype)
     return files
 
 
