@@ -5,9 +5,10 @@ projection is unpacked here (numpy, vectorised) and laid out again for the nativ
 kernels (`native/decode_quant.c`: blocks of 32 output rows, each one stream, the
 weights' bytes then their scales), which multiply by it directly, in the decode
 kernel's one call over every layer and, for prefill chunks and larger steps, through
-`QuantizedLinear` (the same products, 128 rows a call). The layout holds the same
-bits as the file (Q8_0 exactly its size; the K-quants' 6-bit scales are kept a byte
-each, 3-4 % more), and nothing else is held: no float copy of any projection.
+`QuantizedLinear` (the same products, up to 4,096 rows a call). The layout holds the
+same bits as the file (Q8_0 and Q5_0 its size; the K-quants' 6-bit scales are kept a
+byte each, Q4_0/Q4_1's scales as the K-quants' are: a few % more), and nothing else is
+held: no float copy of any projection.
 
 Formats the kernels do not multiply (Q5_1, Q2_K..Q5_K, the IQ kinds) are read with the
 `gguf` package's dequantizer and stored as Q8_0 again (logged): the values move by at
@@ -50,7 +51,8 @@ class Unpacked:
     """A quantized [N, K] weight unpacked row-major, values as the kernel stores them."""
 
     fmt: str  # "Q8_0", ... (one of KERNEL_QTYPES)
-    q: np.ndarray  # [N, K] uint8 (Q8_0: q + 128; Q5_0: 0..31; Q6_K: 0..63; 4-bit: 0..15)
+    q: np.ndarray  # [N, K] uint8 (Q8_0: q + 128; Q5_0: 0..31, its fifth bits held apart;
+    #                Q6_K: 0..63; 4-bit: 0..15)
     d: np.ndarray  # [N, K / super] float16
     dmin: np.ndarray | None = None  # [N, K / super] float16 (4-bit formats)
     sc: np.ndarray | None = None  # [N, K / 16] int8 (Q6_K) or [N, K / 32] uint8 (4-bit)
@@ -129,14 +131,22 @@ def pack(u: Unpacked) -> np.ndarray:
     nb = rows // BLOCK_ROWS
     q = np.zeros((rows, k), np.uint8)
     q[:n] = u.q
-    if u.fmt in ("Q8_0", "Q5_0", "Q6_K"):
+    if u.fmt in ("Q8_0", "Q6_K"):
         weights = q.reshape(nb, BLOCK_ROWS, k // 4, 4).transpose(0, 2, 1, 3)
         parts = [weights, _blocks(u.d, rows)]
         if u.fmt == "Q6_K":
             parts.append(_blocks(u.sc, rows))
+        return np.concatenate([np.ascontiguousarray(p).reshape(nb, -1) for p in parts], axis=1)
+    low = q & 0x0F
+    halves = low.reshape(nb, BLOCK_ROWS, k // 8, 2, 4)
+    weights = (halves[..., 0, :] | (halves[..., 1, :] << 4)).transpose(0, 2, 1, 3)
+    if u.fmt == "Q5_0":
+        # the fifth bits: per 8 inputs, one 64-bit mask per 64 bytes of low bits as the
+        # kernel loads them (16 rows x 4 inputs), bit i for byte i
+        fifth = (q >> 4).reshape(nb, 2, 16, k // 8, 2, 4).transpose(0, 3, 1, 4, 2, 5)
+        masks = np.packbits(fifth.reshape(nb, k // 8, 2, 2, 64), axis=-1, bitorder="little")
+        parts = [weights, masks, _blocks(u.d, rows)]
     else:
-        halves = q.reshape(nb, BLOCK_ROWS, k // 8, 2, 4)
-        weights = (halves[..., 0, :] | (halves[..., 1, :] << 4)).transpose(0, 2, 1, 3)
         parts = [weights, _blocks(u.d, rows), _blocks(u.dmin, rows), _blocks(u.sc, rows),
                  _blocks(u.mins, rows)]
     return np.concatenate([np.ascontiguousarray(p).reshape(nb, -1) for p in parts], axis=1)

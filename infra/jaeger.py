@@ -2,8 +2,8 @@
 
 Built once from the Go module proxy and cached (`<cache>/go-bin/jaeger-<version>/`,
 cache = SLUICE_CACHE_DIR or ~/.cache/sluice), so only the first build is slow
-(minutes on two cores; `make setup` does it). `go install module@version` refuses
-this module (its go.mod has a replace directive), so the module is downloaded and
+(minutes on two cores; `.ci/run` does it, not `make setup`). `go install module@version`
+refuses this module (its go.mod has a replace directive), so the module is downloaded and
 `cmd/jaeger` built inside it: the same pinned sources and checksums.
 
     python -m infra.jaeger build                      # the cached binary's path

@@ -15,10 +15,14 @@
    The weights are laid out for this kernel at load (gpu_runtime/quantized.py): blocks of
    32 output rows, each one contiguous stream split between threads by blocks, as the
    float products'. A block is its weight bytes, then its scales:
-     8-bit (Q8_0, Q5_0, Q6_K): [K/4][32][4] bytes, byte j of a row's 4 at k = 4g + j;
+     8-bit (Q8_0, Q6_K): [K/4][32][4] bytes, byte j of a row's 4 at k = 4g + j;
      4-bit (Q4_K, Q4_0, Q4_1): [K/8][32][4] bytes, the low nibble of byte j at k = 8g + j
        and the high one at k = 8g + 4 + j (one load: both halves of 8 values);
-     Q8_0, Q5_0: d [K/32][32] float16;
+     Q8_0: d [K/32][32] float16;
+     Q5_0: the low 4 bits as the 4-bit formats', then the fifth bits [K/8][2][2] as
+       64-bit masks, one per 64 bytes of low bits in register order (the block's rows
+       0-15 or 16-31, the low or high nibbles), then d [K/32][32] float16 (value
+       d * (q - 16)): the file's 5.5 bits a weight;
      Q6_K: d [K/256][32] float16, then sc [K/16][32] int8 (value d * sc * (q - 32));
      Q4_K: d [K/256][32] and dmin [K/256][32] float16, then sc [K/32][32] and m [K/32][32]
        uint8 (value d * sc * q - dmin * m); Q4_0 and Q4_1 the same with 32 for 256
@@ -76,6 +80,10 @@ static inline vq vq_dot_signed(vq acc, vq w, vq x) {
     return vq_dot(acc, _mm512_abs_epi8(x), _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w));
 }
 static inline vq vq_flip(vq v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
+/* v with 16 added to each byte whose bit is set in mask (Q5_0's fifth bits) */
+static inline vq vq_fifth(vq v, uint64_t mask) {
+    return _mm512_or_si512(v, _mm512_maskz_mov_epi8((__mmask64)mask, _mm512_set1_epi8(0x10)));
+}
 /* 16 float16, int8 or uint8 as float32 */
 static inline vf vf_from_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vf vf_from_i8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -117,6 +125,18 @@ static inline vq vq_dot_signed(vq acc, vq w, vq x) {
 static inline vq vq_flip(vq v) {
     const __m256i m = _mm256_set1_epi8((char)0x80);
     return (vq){_mm256_xor_si256(v.lo, m), _mm256_xor_si256(v.hi, m)};
+}
+/* 0x10 in each byte whose bit of m is set (32 bits: a byte each, in order) */
+static inline __m256i fifth8(uint32_t m) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), _mm256_setr_epi64x(
+        0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                            _mm256_set1_epi8(0x10));
+}
+static inline vq vq_fifth(vq v, uint64_t mask) {
+    return (vq){_mm256_or_si256(v.lo, fifth8((uint32_t)mask)),
+                _mm256_or_si256(v.hi, fifth8((uint32_t)(mask >> 32)))};
 }
 static inline vf vf_from_f16(const void *p) {
     return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
@@ -223,6 +243,55 @@ qcols_8(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int offset, co
             const int64_t row = m0 + m;
             const int32_t shift = signed_path ? 0 : offset * (a->sum16[row * (K / 16) + 2 * g]
                                                               + a->sum16[row * (K / 16) + 2 * g + 1]);
+            const vf dx = vf_set1(a->d[row * (K / 32) + g]);
+            out[0][m] = vf_fmadd(vq_float(vq_sub_i32(acc[0][m], shift)), vf_mul(d0, dx), out[0][m]);
+            out[1][m] = vf_fmadd(vq_float(vq_sub_i32(acc[1][m], shift)), vf_mul(d1, dx), out[1][m]);
+        }
+    }
+}
+
+/* Q5_0: 5-bit weights (0..31) as 4-bit nibbles and a plane of fifth bits, d per 32
+   inputs, value d * (q - 16): the 4-bit formats' loop with the fifth bits or-ed in. */
+static inline __attribute__((always_inline)) void
+qcols_5(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, vf out[2][ROW_GROUP])
+{
+    const uint64_t *fifth = (const uint64_t *)(wb + 16 * K);  /* [K/8][2][2] */
+    const uint16_t *scales = (const uint16_t *)(wb + 20 * K);  /* [K/32][32] */
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) out[c][m] = vf_zero();
+    for (int64_t g = 0; g < K / 32; g++) {
+        const int split = M <= Q4_SPLIT_ROWS;
+        vq acc[2][QROW_GROUP], high[2][QROW_GROUP];
+        for (int c = 0; c < 2; c++)
+            for (int m = 0; m < M; m++) { acc[c][m] = vq_zero(); high[c][m] = vq_zero(); }
+        const uint8_t *w = wb + g * 16 * 32;
+        for (int step = 0; step < 4; step++) {
+            const uint8_t *ws = w + step * 128;
+            const uint64_t *f = fifth + (g * 4 + step) * 4;  /* rows 0-15 lo, hi; 16-31 lo, hi */
+            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
+            const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
+            const vq lo0 = vq_fifth(vq_lo4(v0), f[0]), hi0 = vq_fifth(vq_hi4(v0), f[1]);
+            const vq lo1 = vq_fifth(vq_lo4(v1), f[2]), hi1 = vq_fifth(vq_hi4(v1), f[3]);
+            for (int m = 0; m < M; m++) {
+                const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
+                const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
+                if (split) {
+                    acc[0][m] = vq_dot(acc[0][m], lo0, xl);
+                    acc[1][m] = vq_dot(acc[1][m], lo1, xl);
+                    high[0][m] = vq_dot(high[0][m], hi0, xh);
+                    high[1][m] = vq_dot(high[1][m], hi1, xh);
+                } else {
+                    acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
+                    acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
+                }
+            }
+        }
+        const vf d0 = vf_from_f16(scales + g * 32), d1 = vf_from_f16(scales + g * 32 + 16);
+        for (int m = 0; m < M; m++) {
+            const int64_t row = m0 + m;
+            if (split) { acc[0][m] = vq_add(acc[0][m], high[0][m]); acc[1][m] = vq_add(acc[1][m], high[1][m]); }
+            const int32_t shift = 16 * (a->sum16[row * (K / 16) + 2 * g] + a->sum16[row * (K / 16) + 2 * g + 1]);
             const vf dx = vf_set1(a->d[row * (K / 32) + g]);
             out[0][m] = vf_fmadd(vq_float(vq_sub_i32(acc[0][m], shift)), vf_mul(d0, dx), out[0][m]);
             out[1][m] = vf_fmadd(vq_float(vq_sub_i32(acc[1][m], shift)), vf_mul(d1, dx), out[1][m]);
@@ -342,7 +411,7 @@ static void block_qcols(int64_t qtype, const qacts *a, int64_t m0, int64_t K, co
 {
     switch (qtype) {
     case Q8_0: QDISPATCH(qcols_8(a, m0, K, wb, 128, M_, out)) break;
-    case Q5_0: QDISPATCH(qcols_8(a, m0, K, wb, 16, M_, out)) break;
+    case Q5_0: QDISPATCH(qcols_5(a, m0, K, wb, M_, out)) break;
     case Q6_K: QDISPATCH(qcols_6k(a, m0, K, wb, M_, out)) break;
     case Q4_K: QDISPATCH(qcols_4(a, m0, K, wb, 256, M_, out)) break;
     default: QDISPATCH(qcols_4(a, m0, K, wb, 32, M_, out)) break;
@@ -353,7 +422,8 @@ static void block_qcols(int64_t qtype, const qacts *a, int64_t m0, int64_t K, co
 static inline int64_t qblock_bytes(int64_t qtype, int64_t K)
 {
     switch (qtype) {
-    case Q8_0: case Q5_0: return 32 * K + (K / 32) * 64;
+    case Q8_0: return 32 * K + (K / 32) * 64;
+    case Q5_0: return 16 * K + 4 * K + (K / 32) * 64;
     case Q6_K: return 32 * K + (K / 256) * 64 + (K / 16) * 32;
     case Q4_K: return 16 * K + (K / 256) * 128 + (K / 32) * 64;
     case Q4_32: return 16 * K + (K / 32) * 128 + (K / 32) * 64;
@@ -409,8 +479,20 @@ static void dequantize_row(const sluice_proj *p, int64_t r, float *out)
 {
     const int64_t K = p->in_features, blk = r / COLS, j = r % COLS;
     const uint8_t *wb = (const uint8_t *)p->weight + blk * qblock_bytes(p->qtype, K);
-    if (p->qtype == Q8_0 || p->qtype == Q5_0 || p->qtype == Q6_K) {
-        const int offset = p->qtype == Q8_0 ? 128 : p->qtype == Q5_0 ? 16 : 32;
+    if (p->qtype == Q5_0) {
+        const uint64_t *fifth = (const uint64_t *)(wb + 16 * K);
+        const uint16_t *d = (const uint16_t *)(wb + 20 * K);
+        for (int64_t k = 0; k < K; k++) {
+            const uint8_t byte = wb[(k / 8) * 128 + j * 4 + k % 4];
+            const int nibble_high = k % 8 >= 4;
+            const uint64_t mask = fifth[(k / 8) * 4 + (j / 16) * 2 + nibble_high];
+            const int q = (nibble_high ? byte >> 4 : byte & 15) | (int)((mask >> ((j % 16) * 4 + k % 4)) & 1) << 4;
+            out[k] = f16_to_f32(d[(k / 32) * 32 + j]) * (float)(q - 16);
+        }
+        return;
+    }
+    if (p->qtype == Q8_0 || p->qtype == Q6_K) {
+        const int offset = p->qtype == Q8_0 ? 128 : 32;
         const uint16_t *d = (const uint16_t *)(wb + 32 * K);
         const int8_t *sc = (const int8_t *)(wb + 32 * K + (K / 256) * 64);
         for (int64_t k = 0; k < K; k++) {

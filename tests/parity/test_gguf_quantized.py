@@ -207,7 +207,7 @@ def test_lora_adapter_on_a_quantized_base_matches_peft(files, tmp_path) -> None:
     _assert_same_next_tokens(ours, ref, "LoRA")
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "mixed"])
 def test_weights_held_are_close_to_the_file_size(files, name) -> None:
     rt = make_runtime(files[name])
     held = sum(p.numel() * p.element_size() for p in rt.runner.model.parameters())
