@@ -203,14 +203,17 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype,
     converted: dict[str, int] = {}
     formats: dict[str, int] = {}  # tensors by the format they are held in
     quantized_embedding: QuantizedLinear | None = None
+    # llama.cpp's converter permutes q/k rows for Llama and Mistral (its LlamaModel), not
+    # for Qwen2, as transformers' GGUF reader undoes them
+    permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     for tensor in tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
         raw, n, k, kind = _raw_rows(tensor)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             raw = raw[_rope_rows(n, config.num_heads)]
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             raw = raw[_rope_rows(n, config.num_kv_heads)]
         if kind in FLOAT_TYPES:
             values = torch.from_numpy(np.array(raw, dtype=np.float32))  # a copy: maps are read-only
