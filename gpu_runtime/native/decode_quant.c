@@ -252,6 +252,49 @@ qcols_8(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int offset, co
 
 /* Q5_0: 5-bit weights (0..31) as 4-bit nibbles and a plane of fifth bits, d per 32
    inputs, value d * (q - 16): the 4-bit formats' loop with the fifth bits or-ed in. */
+/* One group of 32 inputs of a 4-bit block (Q5_0's too: `fifth` non-NULL adds its fifth
+   bits): acc[c][m] = the integer dot products of the group's weights with row m's
+   quantized inputs. Up to Q4_SPLIT_ROWS rows the low and high nibbles sum apart (two
+   dependency chains a column set, not one twice as long) and are added at the end. */
+static inline __attribute__((always_inline)) void
+nibble_group(const qacts *a, int64_t m0, int64_t K, int64_t g, const uint8_t *wb,
+             const uint64_t *fifth, const int M, vq acc[2][QROW_GROUP])
+{
+    const int split = M <= Q4_SPLIT_ROWS;
+    vq high[2][QROW_GROUP];
+    for (int c = 0; c < 2; c++)
+        for (int m = 0; m < M; m++) { acc[c][m] = vq_zero(); high[c][m] = vq_zero(); }
+    const uint8_t *w = wb + g * 16 * 32;
+    for (int step = 0; step < 4; step++) {  /* 8 inputs a step */
+        const uint8_t *ws = w + step * 128;
+        _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
+        const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
+        vq lo0 = vq_lo4(v0), hi0 = vq_hi4(v0), lo1 = vq_lo4(v1), hi1 = vq_hi4(v1);
+        if (fifth) {  /* rows 0-15 low, high; rows 16-31 low, high */
+            const uint64_t *f = fifth + (g * 4 + step) * 4;
+            lo0 = vq_fifth(lo0, f[0]); hi0 = vq_fifth(hi0, f[1]);
+            lo1 = vq_fifth(lo1, f[2]); hi1 = vq_fifth(hi1, f[3]);
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
+            const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
+            if (split) {
+                acc[0][m] = vq_dot(acc[0][m], lo0, xl);
+                acc[1][m] = vq_dot(acc[1][m], lo1, xl);
+                high[0][m] = vq_dot(high[0][m], hi0, xh);
+                high[1][m] = vq_dot(high[1][m], hi1, xh);
+            } else {
+                acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
+                acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
+            }
+        }
+    }
+    if (split)
+        for (int c = 0; c < 2; c++)
+            for (int m = 0; m < M; m++) acc[c][m] = vq_add(acc[c][m], high[c][m]);
+}
+
 static inline __attribute__((always_inline)) void
 qcols_5(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, vf out[2][ROW_GROUP])
 {
@@ -260,37 +303,11 @@ qcols_5(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, v
     for (int c = 0; c < 2; c++)
         for (int m = 0; m < M; m++) out[c][m] = vf_zero();
     for (int64_t g = 0; g < K / 32; g++) {
-        const int split = M <= Q4_SPLIT_ROWS;
-        vq acc[2][QROW_GROUP], high[2][QROW_GROUP];
-        for (int c = 0; c < 2; c++)
-            for (int m = 0; m < M; m++) { acc[c][m] = vq_zero(); high[c][m] = vq_zero(); }
-        const uint8_t *w = wb + g * 16 * 32;
-        for (int step = 0; step < 4; step++) {
-            const uint8_t *ws = w + step * 128;
-            const uint64_t *f = fifth + (g * 4 + step) * 4;  /* rows 0-15 lo, hi; 16-31 lo, hi */
-            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
-            const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
-            const vq lo0 = vq_fifth(vq_lo4(v0), f[0]), hi0 = vq_fifth(vq_hi4(v0), f[1]);
-            const vq lo1 = vq_fifth(vq_lo4(v1), f[2]), hi1 = vq_fifth(vq_hi4(v1), f[3]);
-            for (int m = 0; m < M; m++) {
-                const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
-                const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
-                if (split) {
-                    acc[0][m] = vq_dot(acc[0][m], lo0, xl);
-                    acc[1][m] = vq_dot(acc[1][m], lo1, xl);
-                    high[0][m] = vq_dot(high[0][m], hi0, xh);
-                    high[1][m] = vq_dot(high[1][m], hi1, xh);
-                } else {
-                    acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
-                    acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
-                }
-            }
-        }
+        vq acc[2][QROW_GROUP];
+        nibble_group(a, m0, K, g, wb, fifth, M, acc);
         const vf d0 = vf_from_f16(scales + g * 32), d1 = vf_from_f16(scales + g * 32 + 16);
         for (int m = 0; m < M; m++) {
             const int64_t row = m0 + m;
-            if (split) { acc[0][m] = vq_add(acc[0][m], high[0][m]); acc[1][m] = vq_add(acc[1][m], high[1][m]); }
             const int32_t shift = 16 * (a->sum16[row * (K / 16) + 2 * g] + a->sum16[row * (K / 16) + 2 * g + 1]);
             const vf dx = vf_set1(a->d[row * (K / 32) + g]);
             out[0][m] = vf_fmadd(vq_float(vq_sub_i32(acc[0][m], shift)), vf_mul(d0, dx), out[0][m]);
@@ -350,36 +367,8 @@ qcols_4(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int64_t super,
     for (int c = 0; c < 2; c++)
         for (int m = 0; m < M; m++) out[c][m] = vf_zero();
     for (int64_t g = 0; g < K / 32; g++) {
-        /* the low and high nibbles' products into separate sums up to Q4_SPLIT_ROWS rows:
-           two dependency chains a column set, not one of twice the length */
-        const int split = M <= Q4_SPLIT_ROWS;
-        vq acc[2][QROW_GROUP], high[2][QROW_GROUP];
-        for (int c = 0; c < 2; c++)
-            for (int m = 0; m < M; m++) { acc[c][m] = vq_zero(); high[c][m] = vq_zero(); }
-        const uint8_t *w = wb + g * 16 * 32;
-        for (int step = 0; step < 4; step++) {  /* 8 inputs a step */
-            const uint8_t *ws = w + step * 128;
-            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
-            const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
-            const vq lo0 = vq_lo4(v0), lo1 = vq_lo4(v1), hi0 = vq_hi4(v0), hi1 = vq_hi4(v1);
-            for (int m = 0; m < M; m++) {
-                const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
-                const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
-                if (split) {
-                    acc[0][m] = vq_dot(acc[0][m], lo0, xl);
-                    acc[1][m] = vq_dot(acc[1][m], lo1, xl);
-                    high[0][m] = vq_dot(high[0][m], hi0, xh);
-                    high[1][m] = vq_dot(high[1][m], hi1, xh);
-                } else {
-                    acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
-                    acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
-                }
-            }
-        }
-        if (split)
-            for (int c = 0; c < 2; c++)
-                for (int m = 0; m < M; m++) acc[c][m] = vq_add(acc[c][m], high[c][m]);
+        vq acc[2][QROW_GROUP];
+        nibble_group(a, m0, K, g, wb, NULL, M, acc);
         const int64_t sb = g * 32 / super;
         const vf s0 = vf_mul(vf_from_f16(d + sb * 32), vf_from_u8(sc + g * 32));
         const vf s1 = vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_u8(sc + g * 32 + 16));
