@@ -3,15 +3,22 @@
 `RequestIngest` reads and judges records; the router hands admitted requests to
 the engine of the model loaded now (the runtime may be replaced by a reload, so
 it is looked up at each request); a templated chat's answer is remembered so
-that its next turn is found in the KV cache.
+that its next turn is found in the KV cache; a poll's routine Kafka error is
+waited out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
+from aiokafka.errors import (
+    GroupAuthorizationFailedError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+)
 
 from batcher import types as bt
 from batcher.engine import Engine
@@ -33,6 +40,8 @@ from worker.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
+POLL_RETRY_S = 1.0
+
 
 class Intake:
     def __init__(self, loaded: LoadedModel, *, held: HeldRequests, tracker: OffsetTracker,
@@ -43,6 +52,7 @@ class Intake:
         self._tracker = tracker
         self._metrics = metrics
         self.prompts: PromptBuilder | None = None
+        self._poll_failure: str | None = None  # why the last poll failed
 
     def make_ingest(self, settings: Settings, instance_id: str, dep: ModelDeployment,
                     writer: ResultWriter, checker: PermissionChecker,
@@ -91,3 +101,26 @@ class Intake:
     def _engine(self) -> Engine:
         assert self._loaded.engine is not None
         return self._loaded.engine
+
+    async def poll(self, ingest: RequestIngest, *, on_wait: Callable[[str], None],
+                   on_reading: Callable[[], None]) -> None:
+        """One poll. The consumer hands its group coordinator's errors to the next poll
+        (an UnknownError while a leader is cut off, say) and goes on coordinating, so
+        such an error is waited out, `on_wait` hearing why; only a denied topic or group
+        stops the worker (it cannot serve at all). `on_reading`: reading again."""
+        try:
+            await ingest.poll(max_records=256)
+        except (TopicAuthorizationFailedError, GroupAuthorizationFailedError):
+            raise
+        except KafkaError as exc:
+            why = f"Kafka: {type(exc).__name__}: {exc}"
+            log.warning("reading %s failed (%s); reading on in %g s",
+                        ingest.options.request_topic, why, POLL_RETRY_S)
+            self._poll_failure = why
+            on_wait(why)
+            await asyncio.sleep(POLL_RETRY_S)
+            return
+        if self._poll_failure is not None:
+            log.info("reading %s again", ingest.options.request_topic)
+            self._poll_failure = None
+            on_reading()

@@ -420,10 +420,8 @@ class Worker:
             # assigned meanwhile (never left unread, and then paused).
             assert self.engine is not None
             self.ingest.pause_all(self.engine.is_full())
-            # An error the consumer hands over here (its group coordinator's, say)
-            # stops the worker. Waited out instead, an exactly-once fault run once
-            # committed two answers for one request: not until that is understood.
-            await self.ingest.poll(max_records=256)
+            await self.intake.poll(self.ingest, on_wait=self._waiting,
+                                   on_reading=self._update_status)
 
     async def _commit_loop(self) -> None:
         assert self.ingest is not None
