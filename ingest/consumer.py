@@ -189,6 +189,14 @@ class RequestIngest:
         if deferred:
             self.consumer.resume(*deferred)
 
+    def hold_back(self, tps: list[TopicPartition]) -> None:
+        """`tps` are not served until started again (`start_partitions`, from their
+        committed offsets): a partition whose transactional id was fenced."""
+        tps = [tp for tp in tps if tp in self.consumer.assignment()]
+        if tps:
+            self.consumer.pause(*tps)
+            self._not_started.update(tps)
+
     def pause_all(self, paused: bool) -> None:
         """Backpressure: pause every partition, or resume those that are started."""
         consumer = self.consumer

@@ -192,25 +192,41 @@ class PartitionTransactions:
         self._request_timeout_s = request_timeout_s
         self.group_id = group_id
         self._ports: dict[Any, TransactionalProducerPort] = {}
+        self._opening: dict[Any, asyncio.Lock] = {}  # one take-over of a partition at a time
         self.has_records = asyncio.Event()  # some partition's open transaction holds one
 
     def transactional_id(self, tp: Any) -> str:
         return f"{self.group_id}.partition-{tp.partition}"
 
-    async def open(self, tps: list[Any]) -> None:
+    async def open(self, tps: list[Any],
+                   wanted: Callable[[Any], bool] = lambda _tp: True) -> None:
         """Take over `tps`' transactional ids (fencing their earlier holders), all at
-        once; before the partitions' committed offsets are read."""
-        ports = {tp: TransactionalProducerPort(self._options, self._request_timeout_s,
-                                               self.transactional_id(tp), self.has_records)
-                 for tp in tps if tp not in self._ports}
-        results = await asyncio.gather(*(port.start() for port in ports.values()),
+        once; before the partitions' committed offsets are read.
+
+        One take-over of a partition at a time, in this worker: two rebalances in quick
+        succession start a second take-over of a partition while the first still waits
+        for its id (a coordinator away), and two producers of one id fence each other —
+        the worker then drops, as taken over by another worker, a partition the group
+        gave it (found by `sluice bench chaos`: a partition nobody served). A take-over
+        that finds a port already open keeps it; one whose partition is no longer
+        `wanted` (revoked meanwhile) when its id is taken stops its producer instead."""
+        results = await asyncio.gather(*(self._open_one(tp, wanted) for tp in tps),
                                        return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
-        for (tp, port), result in zip(ports.items(), results, strict=True):
-            if not isinstance(result, BaseException):
-                self._ports[tp] = port
         if failed:
             raise failed[0]
+
+    async def _open_one(self, tp: Any, wanted: Callable[[Any], bool]) -> None:
+        async with self._opening.setdefault(tp, asyncio.Lock()):
+            if tp in self._ports:
+                return
+            port = TransactionalProducerPort(self._options, self._request_timeout_s,
+                                             self.transactional_id(tp), self.has_records)
+            await port.start()
+            if wanted(tp):
+                self._ports[tp] = port
+            else:  # let go of while its id was being taken: a later take-over opens anew
+                await port.stop()
 
     def port(self, tp: Any) -> TransactionalProducerPort:
         port = self._ports.get(tp)

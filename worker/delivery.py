@@ -27,6 +27,10 @@ from worker.supervision import OnFailure, WatchedTasks
 
 log = logging.getLogger(__name__)
 
+# A fenced partition the group still gives this worker this long after is taken over
+# again: a zombie hears from its group within a few heartbeats (one a second).
+RETAKE_AFTER_S = 5.0
+
 
 @dataclass(slots=True, kw_only=True)
 class Delivery:
@@ -99,7 +103,7 @@ class Delivery:
         deadline = time.monotonic() + self.settings.client.timeout_secs
         while True:
             try:
-                await self.transactions.open(tps)
+                await self.transactions.open(tps, self._still_assigned)
                 return
             except Exception as exc:
                 if time.monotonic() > deadline:
@@ -112,16 +116,43 @@ class Delivery:
                             type(exc).__name__, exc)
                 await asyncio.sleep(1.0)
 
+    def _still_assigned(self, tp: Any) -> bool:
+        ingest = self.ingest_of()
+        return ingest is not None and tp in ingest.consumer.assignment()
+
     def _on_partition_fenced(self, tp: Any, why: str) -> None:
         """A partition's transactional id was taken over: another worker owns the
-        partition now (this one was paused, or cut off, past its session). Nothing more
-        is written or committed for it; what this worker held of it is dropped."""
+        partition now (this one was paused, or cut off, past its session) — or the
+        coordinator aborted a transaction open past TRANSACTION_TIMEOUT_MS, which fences
+        the same way. Nothing more is written or committed for it; what this worker held
+        of it is dropped. If the group still gives it to this worker a while later, it
+        is taken over again (else nobody would serve it)."""
         self.tracker.revoke(tp)
         dropped = self.drop_held({tp})
         log.warning("%s (this worker was paused or cut off past its session timeout): "
                     "its %d requests here are dropped unanswered, served by their new "
                     "owner; nothing of it was committed from here", why, dropped)
         self.release([tp], f"stopping partition {tp.partition}'s producer")
+        ingest = self.ingest_of()
+        if ingest is not None:
+            ingest.hold_back([tp])
+            self.tasks.spawn(self._retake_if_still_ours(tp, ingest, ingest.assignments),
+                             f"checking partition {tp.partition}'s owner",
+                             runs_forever=False)
+
+    async def _retake_if_still_ours(self, tp: Any, ingest: RequestIngest,
+                                    assignment: int) -> None:
+        """A zombie learns within a few heartbeats that the group moved on (a rebalance,
+        or its membership lost); a partition still this worker's after RETAKE_AFTER_S
+        was fenced by a timed-out transaction, not by another owner."""
+        await asyncio.sleep(RETAKE_AFTER_S)
+        if (self.ingest_of() is not ingest or ingest.assignments != assignment
+                or ingest.membership_lost() or tp not in ingest.consumer.assignment()):
+            return
+        log.warning("partition %d is still this worker's %.0f s after its transactional "
+                    "id was fenced (a transaction the coordinator timed out): taking it "
+                    "over again", tp.partition, RETAKE_AFTER_S)
+        self._take_over([tp], assignment)
 
     def _pending_offsets(self) -> dict[Any, tuple[int, str]]:
         ingest = self.ingest_of()
@@ -134,6 +165,13 @@ class Delivery:
             await self.open_transactions(tps)
             ingest = self.ingest_of()
             assert ingest is not None
+            if assignment != ingest.assignments and self.transactions is not None:
+                # A later rebalance came first: ports of partitions it did not give
+                # this worker are let go of (those it did are kept, and its take-over
+                # uses them).
+                gone = [tp for tp in tps if not self._still_assigned(tp)]
+                if gone:
+                    self.release(gone, "stopping producers of a superseded take-over")
             await ingest.start_partitions(tps, assignment)
 
         self.tasks.spawn(take_over(), "taking partitions over", runs_forever=False)

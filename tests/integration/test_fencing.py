@@ -121,3 +121,45 @@ async def _committed_reader(settings, topic: str) -> AsyncIterator[AIOKafkaConsu
         yield reader
     finally:
         await reader.stop()
+
+
+async def test_two_take_overs_of_one_partition_share_one_producer(settings,
+                                                                   monkeypatch) -> None:
+    """Two rebalances in quick succession start a second take-over of a partition while
+    the first still waits for its transactional id: two producers of one id in one
+    worker fence each other, and the worker dropped as taken over by another worker a
+    partition the group gave it (`sluice bench chaos`: a partition nobody served).
+    Take-overs of a partition run one at a time and keep the producer already open; one
+    whose partition was revoked meanwhile stops its producer."""
+    from results import transactions as txn_module
+
+    inputs, replies = f"{settings.topic_prefix}.requests.t", f"{settings.topic_prefix}.replies-t"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 2, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.t"
+    tp, other = TopicPartition(inputs, 0), TopicPartition(inputs, 1)
+    started: list[str] = []
+    real_start = txn_module.TransactionalProducerPort.start
+
+    async def counted_start(port) -> None:
+        started.append(port.transactional_id)
+        await real_start(port)
+
+    monkeypatch.setattr(txn_module.TransactionalProducerPort, "start", counted_start)
+    txns, lost = PartitionTransactions(settings.producer_options(), 30, group), []
+    try:
+        await asyncio.gather(txns.open([tp, other]), txns.open([tp]))
+        assert started == [f"{group}.partition-0", f"{group}.partition-1"]
+        committer = TransactionCommitter(txns, lambda: {tp: (1, "h=0;a=0")}, lambda _c: None,
+                                         on_lost=lambda t, why: lost.append(t))
+        await (await txns.port(tp).send(replies, orjson.dumps({"n": 1}), b"k"))
+        await committer.commit()
+        assert lost == []  # the one producer of the id was not fenced
+
+        await txns.close_all()
+        await txns.open([other], wanted=lambda _tp: False)  # revoked while taken over
+        assert other not in txns.ports()
+    finally:
+        await txns.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
