@@ -3,8 +3,12 @@ invariant check of everything the reply topic holds.
 
 A three-node Kafka cluster and a PostgreSQL of its own (private state, free
 ports), `workers` worker processes of one model, and a load of requests over
-many sessions at a steady rate — some streamed, some followed by a cancel. While
-the load runs, faults strike at seeded random times, one at a time:
+many sessions at a steady rate — some streamed, some followed by a cancel. A
+warm-up load comes first (`warmup_s`, answered before the clock starts; checked,
+not timed), and the measured load's first seconds are calm (`calm_s`). Then
+faults strike at seeded random times, one at a time; after each heals, the run
+waits until capacity is back — every worker in the group, every request
+partition assigned and led (`CapacityProbe`) — and times it:
 
 - `worker_kill`: SIGKILL a worker, restart it (same --replica) a moment later;
 - `worker_pause`: SIGSTOP a worker past its session timeout, then SIGCONT (the
@@ -49,7 +53,7 @@ import random
 import time
 from pathlib import Path
 
-from bench.chaos_checks import check_replies, sample_offsets
+from bench.chaos_checks import CapacityProbe, check_replies, sample_offsets
 from bench.chaos_cluster import Cluster, Workers, cluster_config, host_names, worker_host
 from bench.chaos_nemesis import fault_schedule, strike_faults
 from bench.chaos_report import (
@@ -99,7 +103,13 @@ async def _on_cluster(cfg: ChaosConfig, workdir: Path, model_dir: Path, net: Net
         env = {**os.environ, "SLUICE_KAFKA_BOOTSTRAP": str(settings.kafka_bootstrap),
                "SLUICE_DATABASE_URL": str(settings.database_url), "SLUICE_DB_SCHEMA": "chaos",
                "SLUICE_TOPIC_PREFIX": "chaos", "SLUICE_METRICS_PORT": "0",
-               "SLUICE_COMPILE": "0"}
+               "SLUICE_COMPILE": "0",
+               # Three workers and three brokers share the machine: each worker's
+               # kernels on one thread. With torch's default (a thread a core), their
+               # OpenMP threads spin-wait on cores the others need: measured on 2 cores
+               # at 10 requests/s, workers 1.1-1.4 cores and p50 2-5 s, against 0.05
+               # cores and p50 ~40 ms with one thread each.
+               "OMP_NUM_THREADS": "1"}
         client = Client(settings)
         try:
             key = await asyncio.to_thread(_register, client, model_dir, cfg.delivery)
@@ -147,19 +157,45 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
     cfg, rng = cluster.cfg, cluster.rng
     duration = cfg.requests / cfg.rate_per_s
     schedule = fault_schedule(cfg, rng, duration)
-    t0 = time.monotonic()
     stop_sampling = asyncio.Event()
     sampler = asyncio.create_task(sample_offsets(cluster.settings, report, stop_sampling))
-    faults = asyncio.create_task(strike_faults(cluster, schedule, t0, report, say))
+    warmup = round(cfg.warmup_s * cfg.rate_per_s)
+    if warmup:
+        say(f"  warming up: {warmup} requests over {cfg.warmup_s:g} s, not timed")
+        await _send_load(cfg, rng, client, key, report, warmup, "w", say=lambda _line: None)
+    probe = CapacityProbe(cluster.settings, cfg.workers)
+    try:
+        t0 = time.monotonic()
+        faults = asyncio.create_task(strike_faults(cluster, schedule, t0, report, say, probe))
+        await _send_load(cfg, rng, client, key, report, cfg.requests, "", say, t0=t0,
+                         faults=faults)
+    finally:
+        await probe.close()
+    stop_sampling.set()
+    await sampler
+    windows = [(f.at_s, (f.ended_s or f.at_s) + SESSION_TIMEOUT_S) for f in report.faults]
+    for sent in report.sent.values():
+        if sent.latency_s is None or sent.outcome != "done" or sent.warmup:
+            continue
+        during = any(a <= sent.at_s <= b for a, b in windows)
+        (report.fault_latency_s if during else report.calm_latency_s).append(sent.latency_s)
+
+
+async def _send_load(cfg: ChaosConfig, rng: random.Random, client: Client, key: str,
+                     report: ChaosReport, count: int, tag: str, say: Say,
+                     t0: float | None = None, faults: asyncio.Task[None] | None = None) -> None:
+    """`count` requests at the run's rate (ids `chaos-<seed>-<tag><i>`; a tag marks
+    warm-up requests), then until each ended (and `faults` with them)."""
+    t0 = time.monotonic() if t0 is None else t0
     tasks: list[asyncio.Task[None]] = []
     cancels: list[asyncio.Task[None]] = []
-    for i in range(cfg.requests):
+    for i in range(count):
         delay = t0 + i / cfg.rate_per_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        sent = Sent(f"chaos-{cfg.seed}-{i}", time.monotonic() - t0,
+        sent = Sent(f"chaos-{cfg.seed}-{tag}{i}", time.monotonic() - t0,
                     streamed=rng.random() < cfg.stream_share,
-                    cancelled=rng.random() < cfg.cancel_share)
+                    cancelled=rng.random() < cfg.cancel_share, warmup=bool(tag))
         report.sent[sent.request_id] = sent
         session = f"session-{rng.randrange(cfg.sessions)}"
         tasks.append(asyncio.create_task(_one(
@@ -169,18 +205,11 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
         if sent.cancelled:
             cancels.append(asyncio.create_task(_cancel_later(
                 client, key, sent.request_id, session, rng.uniform(0.05, 1.0))))
-        if (i + 1) % max(1, cfg.requests // 10) == 0:
+        if (i + 1) % max(1, count // 10) == 0:
             say(f"  {i + 1} sent, {sum(t.done() for t in tasks)} ended")
-    await faults
+    if faults is not None:
+        await faults
     await asyncio.gather(*tasks, *cancels)
-    stop_sampling.set()
-    await sampler
-    windows = [(f.at_s, (f.ended_s or f.at_s) + SESSION_TIMEOUT_S) for f in report.faults]
-    for sent in report.sent.values():
-        if sent.latency_s is None or sent.outcome != "done":
-            continue
-        during = any(a <= sent.at_s <= b for a, b in windows)
-        (report.fault_latency_s if during else report.calm_latency_s).append(sent.latency_s)
 
 
 async def _cancel_later(client: Client, key: str, request_id: str, session: str,

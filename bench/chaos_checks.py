@@ -170,3 +170,56 @@ async def check_replies(settings: Settings, report: ChaosReport) -> None:
     if exactly_once:  # what aborted transactions left is only for read_uncommitted eyes
         everything = await _read_all(settings, settings.topic("results"), "read_uncommitted")
         report.num_records = max(report.num_records, len(everything))
+
+
+class CapacityProbe:
+    """Whether the cluster serves at full capacity: every request partition has a
+    leader, and the model's consumer group is stable with all `workers` members and
+    every request partition assigned (what a fault takes away and a heal gives back)."""
+
+    def __init__(self, settings: Settings, workers: int) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        self._group, self._topic = settings.topic(MODEL), settings.requests_topic(MODEL)
+        self._workers = workers
+        self._admin = AIOKafkaAdminClient(**settings.kafka_options())
+        self._started = False
+
+    async def serving(self) -> bool:
+        from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+
+        try:
+            if not self._started:
+                await self._admin.start()
+                self._started = True
+            described = (await self._admin.describe_topics([self._topic]))[0]
+            partitions = {p["partition"] for p in described["partitions"]}
+            if not partitions or any(p["leader"] < 0 for p in described["partitions"]):
+                return False
+            response = (await self._admin.describe_consumer_groups([self._group]))[0]
+            group = response.to_object()["groups"][0]
+            if group["error_code"] or group["state"] != "Stable":
+                return False
+            members = group["members"]
+            assigned: set[int] = set()
+            for member in members:
+                decoded = ConsumerProtocolMemberAssignment.decode(member["member_assignment"])
+                assigned |= {tp.partition for tp in decoded.partitions()
+                             if tp.topic == self._topic}
+            return len(members) == self._workers and assigned == partitions
+        except Exception:  # a broker or the coordinator away: not serving fully yet
+            return False
+
+    async def wait_back(self, timeout_s: float) -> float | None:
+        """Seconds until `serving` holds (polled every 0.25 s); None past `timeout_s`."""
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            if await self.serving():
+                return round(time.monotonic() - began, 2)
+            await asyncio.sleep(0.25)
+        return None
+
+    async def close(self) -> None:
+        if self._started:
+            with contextlib.suppress(Exception):
+                await self._admin.close()

@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 
+from bench.chaos_checks import CapacityProbe
 from bench.chaos_cluster import Cluster, request_leaders
 from bench.chaos_network import NETWORK_STRIKES
 from bench.chaos_report import ChaosConfig, ChaosReport, Fault, Say
@@ -19,18 +20,31 @@ from infra import kafka_broker, postgres
 Strike = Callable[[Cluster, Fault], Awaitable[None]]
 
 
+# How long a healed fault's capacity is waited for before the next fault strikes.
+CAPACITY_WAIT_S = 60.0
+
+
+def calm_window_s(cfg: ChaosConfig, duration_s: float) -> float:
+    """The load's first seconds, free of faults: `calm_s`, at most a fifth of the load."""
+    return min(cfg.calm_s, 0.2 * duration_s)
+
+
 def fault_schedule(cfg: ChaosConfig, rng: random.Random,
                    duration_s: float) -> list[tuple[float, str]]:
-    """(start, kind) of each fault, the starts spread over the load; `strike_faults`
-    moves each to after the one before has ended."""
-    starts = sorted(rng.uniform(0.05, 0.85) * duration_s for _ in range(cfg.faults))
+    """(start, kind) of each fault, the starts spread over the load after its calm
+    window; `strike_faults` moves each to after the one before has healed."""
+    calm = calm_window_s(cfg, duration_s) / duration_s
+    starts = sorted(rng.uniform(max(0.05, calm), 0.85) * duration_s
+                    for _ in range(cfg.faults))
     kinds = [cfg.kinds[i % len(cfg.kinds)] for i in range(cfg.faults)]
     rng.shuffle(kinds)
     return list(zip(starts, kinds, strict=True))
 
 
 async def strike_faults(cluster: Cluster, schedule: list[tuple[float, str]], t0: float,
-                        report: ChaosReport, say: Say) -> None:
+                        report: ChaosReport, say: Say, probe: CapacityProbe) -> None:
+    """Each fault in turn; after each heals, the time until capacity is back (`probe`),
+    then `settle_s` before the next."""
     free_at = 0.0
     for start, kind in schedule:
         at = max(start, free_at)
@@ -39,9 +53,12 @@ async def strike_faults(cluster: Cluster, schedule: list[tuple[float, str]], t0:
         report.faults.append(fault)
         await STRIKES[kind](cluster, fault)
         fault.ended_s = round(time.monotonic() - t0, 1)
+        fault.capacity_back_s = await probe.wait_back(CAPACITY_WAIT_S)
+        back = ("not back within " f"{CAPACITY_WAIT_S:g} s" if fault.capacity_back_s is None
+                else f"capacity back {fault.capacity_back_s:.1f} s later")
         say(f"  fault {len(report.faults)}: {kind} of {fault.target} at {fault.at_s:.0f} s, "
-            f"over at {fault.ended_s:.0f} s")
-        free_at = fault.ended_s + 5.0  # let the system settle before the next
+            f"over at {fault.ended_s:.0f} s, {back}")
+        free_at = time.monotonic() - t0 + cluster.cfg.settle_s
 
 
 async def _worker_kill(c: Cluster, fault: Fault) -> None:

@@ -53,6 +53,15 @@ class ChaosConfig:
     loss_percent: tuple[int, int] = (5, 15)
     bandwidth_bytes_per_s: tuple[int, int] = (32_000, 256_000)
     request_timeout_s: float = 300.0
+    # Before the measured load: requests at the same rate for this long, all answered
+    # before the clock starts (fresh brokers JIT-compile and fresh workers build their
+    # kernels' plans; a deployment that serves is warm). Checked like the others.
+    warmup_s: float = 20.0
+    # The measured load's first seconds (at most a fifth of it) are free of faults: the
+    # calm latencies.
+    calm_s: float = 30.0
+    # After a fault heals, the next waits this long (and for capacity to be back).
+    settle_s: float = 5.0
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - {*PROCESS_KINDS, *NETWORK_KINDS}
@@ -69,6 +78,9 @@ class Fault:
     at_s: float  # since the load began
     target: str
     ended_s: float | None = None
+    # Seconds from the fault's end until the group had every worker serving every
+    # request partition again, each partition with a leader (None: not measured).
+    capacity_back_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +91,7 @@ class Sent:
     cancelled: bool = False
     outcome: str = "pending"  # done, error, timeout, send_failed, client_timeout
     latency_s: float | None = None
+    warmup: bool = False  # sent before the measured load: checked, not timed
 
 
 @dataclass(slots=True)
@@ -99,12 +112,16 @@ class ChaosReport:
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        outcomes = Counter(s.outcome for s in self.sent.values())
+        measured = [s for s in self.sent.values() if not s.warmup]
+        outcomes = Counter(s.outcome for s in measured)
+        capacity = [f.capacity_back_s for f in self.faults if f.capacity_back_s is not None]
         def ms(values: list[float]) -> dict[str, Any]:
             return latency_figures([v * 1000 for v in values])
         return {
             "seed": self.config.seed, "delivery": self.config.delivery,
-            "requests": len(self.sent), "outcomes": dict(outcomes),
+            "requests": len(measured), "outcomes": dict(outcomes),
+            "warmup_requests": len(self.sent) - len(measured),
+            "timeout_share": round(outcomes.get("timeout", 0) / max(1, len(measured)), 4),
             "terminal_events_per_request": {str(k): v for k, v in
                                             sorted(self.terminal_histogram.items())},
             "violations": len(self.violations), "first_violations": self.violations[:20],
@@ -117,5 +134,7 @@ class ChaosReport:
             "reply_records": self.num_records,
             "end_to_end_calm": ms(self.calm_latency_s),
             "end_to_end_during_faults": ms(self.fault_latency_s),
+            "capacity_back_s": {"max": max(capacity, default=None),
+                                "unmeasured": len(self.faults) - len(capacity)},
             "wall_s": round(self.wall_s, 1),
         }

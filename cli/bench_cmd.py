@@ -119,12 +119,25 @@ def _chaos(console: object, seed: int, requests: int, faults: int, delivery: str
         report = asyncio.run(run_chaos(config, Path(tmp), model, say=console.print))  # type: ignore[attr-defined]
     doc = report.summary()
     p99 = percentile(report.fault_latency_s, 0.99)
+    calm_p99 = percentile(report.calm_latency_s, 0.99)
+    capacity = [f.capacity_back_s for f in report.faults]
     goals = {
         "no_violation": goal("0 lost, 0 duplicated, no rewind, texts equal", -len(
             report.violations), 0),
+        "no_worker_exit": goal("worker exits not caused by the nemesis's own SIGKILL: 0",
+                               len(report.worker_exits), 0, higher_is_better=False,
+                               unit="exits"),
+        "p99_calm": goal("end-to-end p99 with no fault <= 1.5 s", calm_p99, 1.5,
+                         higher_is_better=False, unit="s"),
         "p99_during_faults": goal(f"end-to-end p99 during a fault <= session timeout + 2 s "
                                   f"({SESSION_TIMEOUT_S + 2:g} s)", p99,
                                   SESSION_TIMEOUT_S + 2, higher_is_better=False, unit="s"),
+        "capacity_back": goal("all workers serving every partition again <= 15 s after "
+                              "each fault heals (the slowest)",
+                              None if not capacity or None in capacity else max(capacity),
+                              15.0, higher_is_better=False, unit="s"),
+        "timeouts": goal("`timeout` events <= 0.5 % of requests", doc["timeout_share"] * 100,
+                         0.5, higher_is_better=False, unit="%"),
     }
     doc["goals"] = goals
     doc["goals_met"] = all(g["met"] for g in goals.values())

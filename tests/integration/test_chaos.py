@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SHORT = ChaosConfig(seed=7, requests=150, rate_per_s=3.0, sessions=40, workers=2,
                     partitions=4, faults=4, pause_s=(14.0, 15.0), broker_down_s=(6.0, 8.0),
-                    postgres_down_s=(2.0, 3.0), request_timeout_s=240.0)
+                    postgres_down_s=(2.0, 3.0), request_timeout_s=240.0, warmup_s=0.0)
 # Cuts just past the sessions they must outlast (a worker's 10 s, a broker's 6 s).
 NETWORKED = dataclasses.replace(SHORT, requests=90, networked=True, partition_s=(12.0, 13.0),
                                 broker_down_s=(7.0, 8.0), db_cut_s=(5.0, 6.0),
@@ -76,5 +76,8 @@ async def _run(tiny_model: Path, tmp_path: Path, config: ChaosConfig) -> None:
     else:
         assert 0 not in report.terminal_histogram, summary
     assert report.offset_samples > 50
+    assert not report.worker_exits, report.worker_exits  # none but the nemesis's own
+    # After every fault, each worker serves its share of the partitions again.
+    assert all(f.capacity_back_s is not None for f in report.faults), summary["faults"]
     assert summary["outcomes"].get("done", 0) + summary["outcomes"].get("timeout", 0) \
         == config.requests, summary["outcomes"]
