@@ -17,8 +17,9 @@ between the commit point and `h` are finished already (a short request
 answered behind a long one), the metadata lists the unfinished ones, `u=5,7-9`:
 the next owner serves only those again and skips the rest — which exactly-once
 delivery needs (their answers are committed), and which spares at-least-once
-readers a duplicate. A list too long for Kafka's metadata limit is left out
-(everything up to `h` is served again, as before).
+readers a duplicate. A list too long for Kafka's metadata limit (4096 bytes by
+default) goes as a compressed bitmap, `b=<first>:<base64>`; one too long even so is
+left out, logged (everything up to `h` is served again).
 
 Each assignment of a partition has an epoch. Verdicts and requests carry the
 epoch of the assignment they were read under: `owns` says whether they may
@@ -29,16 +30,18 @@ they hold.
 
 from __future__ import annotations
 
+import base64
 import heapq
 import itertools
 import logging
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-_META_RE = re.compile(r"^h=(-?\d+);a=(\d+)(?:;u=([\d,-]*))?$")
+_META_RE = re.compile(r"^h=(-?\d+);a=(\d+)(?:;u=([\d,-]*)|;b=(\d+):([A-Za-z0-9+/=]*))?$")
 # Kafka's default offset.metadata.max.bytes is 4096; stay well under it.
 MAX_UNFINISHED_CHARS = 3000
 
@@ -90,6 +93,9 @@ class OffsetTracker:
             part.bumped_upto = max(part.redelivered_upto, (end_offset or 0) - 1)
             if match.group(3) is not None:
                 part.redelivered_unfinished = frozenset(_parse_ranges(match.group(3)))
+            elif match.group(4) is not None:
+                part.redelivered_unfinished = _unpack_offsets(int(match.group(4)),
+                                                              match.group(5))
         self.partitions[tp] = part
         return part.epoch
 
@@ -174,6 +180,12 @@ class OffsetTracker:
             unfinished = _format_ranges(sorted(part.in_flight))
             if len(unfinished) <= MAX_UNFINISHED_CHARS:
                 meta += f";u={unfinished}"
+            elif len(packed := _pack_offsets(offset, part.in_flight)) <= MAX_UNFINISHED_CHARS:
+                meta += f";b={packed}"
+            else:
+                log.error("the unfinished records of %s between %d and %d do not fit the "
+                          "commit metadata: its next owner serves all of them again",
+                          tp, offset, highest_started)
         return offset, meta
 
     def pending_commits(self) -> dict[object, tuple[int, str]]:
@@ -213,6 +225,23 @@ def _format_ranges(offsets: list[int]) -> str:
     if offsets:
         out.append(str(start) if start == prev else f"{start}-{prev}")
     return ",".join(out)
+
+
+def _pack_offsets(base: int, offsets: set[int]) -> str:
+    """`base:<base64 of zlib(bitmap)>`, bit i set for offset base + i: the unfinished
+    records when their ranges are too long for the metadata (short answers finished
+    around long ones in every other offset, say). A run of finished records compresses
+    to almost nothing."""
+    bits = bytearray((max(offsets) - base) // 8 + 1)
+    for offset in offsets:
+        bits[(offset - base) >> 3] |= 1 << ((offset - base) & 7)
+    return f"{base}:{base64.b64encode(zlib.compress(bytes(bits), 9)).decode()}"
+
+
+def _unpack_offsets(base: int, packed: str) -> frozenset[int]:
+    bits = zlib.decompress(base64.b64decode(packed))
+    return frozenset(base + (i << 3) + j for i, byte in enumerate(bits) if byte
+                     for j in range(8) if byte >> j & 1)
 
 
 def _parse_ranges(text: str) -> list[int]:

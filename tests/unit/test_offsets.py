@@ -114,3 +114,25 @@ def test_commit_point_never_passes_an_unfinished_offset(offsets, rnd) -> None:
         assert all(point <= u for u in unfinished)
         if not unfinished:
             assert point == offsets[-1] + 1
+
+
+def test_unfinished_records_too_many_for_ranges_go_as_a_bitmap():
+    """Short answers finished around long ones in every other offset: their ranges
+    pass Kafka's metadata limit, and dropped, the next owner would answer again every
+    record up to `h` — answers exactly-once had committed. A compressed bitmap fits."""
+    from ingest.offsets import MAX_UNFINISHED_CHARS
+
+    tracker = OffsetTracker()
+    tracker.assign("p0", None)
+    for offset in range(100, 100 + 4000):
+        tracker.start("p0", offset)
+    for offset in range(101, 100 + 4000, 2):
+        tracker.finish("p0", offset)
+    point, meta = tracker.commit_point("p0")
+    assert point == 100 and meta.startswith("h=4099;a=0;b=100:")
+    assert len(meta) <= MAX_UNFINISHED_CHARS + 40
+
+    heir = OffsetTracker()
+    heir.assign("p0", meta, end_offset=4100)
+    assert not any(heir.finished_earlier("p0", o) for o in range(100, 4100, 2))
+    assert all(heir.finished_earlier("p0", o) for o in range(101, 4100, 2))
