@@ -196,6 +196,13 @@ class Delivery:
             await self._dead_letter(ctx, exc)
 
     async def _ack_failed(self, ctx: InFlight, exc: BaseException) -> None:
+        if isinstance(exc, TransactionsFailed):
+            # Its partition's transaction failed (fenced, or taken over anew): the
+            # partition is dropped here and its requests served again from its commit
+            # point; a dead letter could not go into that transaction either.
+            log.warning("terminal event for offset %s of %s not committed (%s); served "
+                        "again", ctx.offset, ctx.topic_partition, exc)
+            return
         if not retriable(exc) or await self._topic_gone(ctx.reply_topic):
             await self._dead_letter(ctx, exc, gone=retriable(exc))
             return

@@ -31,9 +31,12 @@ Transactions are group commits: the first record opens one, and
 (LINGER_*), concurrently (or when asked: a revocation, a drain). Commit points
 that moved without a record are committed every OFFSETS_INTERVAL_S. A fenced
 partition is reported (`on_lost`): the worker drops it — its new owner serves
-its requests — and goes on with the others. Any other failure of a
-transaction (a record refused) is fatal to the worker: it stops (exit code 3)
-without committing, and the next owner serves again what it held.
+its requests — and goes on with the others. Any other failure of a transaction
+(a coordinator cut off from its followers answering InvalidTxnState, say) is
+reported too (`on_failed`): the worker drops that partition and takes it over
+anew — a new producer of its id aborts what the old one left open, and the
+partition is served again from its commit point, as after a restart. Without
+`on_failed`, such a failure stops the worker (exit code 3) without committing.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import InvalidProducerEpoch, ProducerFenced
+from aiokafka.errors import IllegalOperation, InvalidProducerEpoch, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata
 
 from common.timeouts import within
@@ -65,14 +68,23 @@ LINGER_BUSY_S = 0.010
 BUSY_WITHIN_S = 0.02  # a commit of records this recent means load
 OFFSETS_INTERVAL_S = 0.1
 # An open transaction lives milliseconds; one older than this was left by a worker
-# that died (or stalled), and the broker aborts it so reply partitions move on.
-TRANSACTION_TIMEOUT_MS = 15_000
+# that died, stalled or was cut off, and the broker aborts it so reply partitions move
+# on: until then a `read_committed` reader of every reply partition it wrote to sees
+# nothing past its first record — every request's answer waits, not only the stalled
+# worker's (`sluice bench chaos`: 15 s, and the broker's 10 s check, stalled all
+# answers ~25 s after a worker was cut off). Long enough for a commit to outlast a
+# leader's election (~6 s on a three-node cluster); one that does not is fenced, and
+# its partition taken over again (`worker.delivery`).
+TRANSACTION_TIMEOUT_MS = 6_000
 FENCED = (ProducerFenced, InvalidProducerEpoch)
 
 PendingOffsets = Callable[[], dict[Any, tuple[int, str]]]
 Committed = Callable[[dict[Any, tuple[int, str]]], None]
 # (partition, why): another worker took the partition's transactional id over.
 OnLost = Callable[[Any, str], None]
+# (partition, why): a transaction of the partition failed otherwise (a coordinator cut
+# off refusing its state, say); None: such a failure stops the worker.
+OnFailed = Callable[[Any, str], None] | None
 
 
 class PartitionFenced(TransactionsFailed):
@@ -138,8 +150,11 @@ class TransactionalProducerPort:
             self.waiting.append((topic, value, key, headers, future))
             return future
         async with self.gate:
-            await self.open()
-            future = await self.producer.send(topic, value, key=key, headers=headers)
+            try:
+                await self.open()
+                future = await self.producer.send(topic, value, key=key, headers=headers)
+            except IllegalOperation as exc:  # its transaction ended under it (fenced, failed)
+                raise TransactionsFailed(f"transactions failed: {exc}") from exc
             self.sent.append(future)
             self.num_records += 1
             self.has_records.set()
@@ -259,12 +274,14 @@ class TransactionCommitter:
 
     def __init__(self, transactions: PartitionTransactions, pending: PendingOffsets,
                  committed: Committed, on_lost: OnLost = lambda _tp, _why: None,
+                 on_failed: OnFailed = None,
                  on_commit: Callable[[], None] = lambda: None,
                  interval_s: float = OFFSETS_INTERVAL_S):
         self._transactions = transactions
         self._pending = pending  # commit points that changed, per partition
         self._committed = committed
         self._on_lost = on_lost
+        self._on_failed = on_failed
         self._on_commit = on_commit
         self._interval_s = interval_s
         self._last_commit = 0.0  # monotonic
@@ -306,8 +323,9 @@ class TransactionCommitter:
         async with port.gate:
             if self._closed:
                 return
-            if port.released or isinstance(port.failure, FENCED):
-                # Let go of, or reported lost already (`on_lost`) by a commit that held
+            if port.released or isinstance(port.failure, FENCED) or (
+                    port.failure is not None and self._on_failed is not None):
+                # Let go of, or reported lost or failed already by a commit that held
                 # the gate first: nothing of it is committed from here; the rest go on.
                 return
             if port.failure is not None:
@@ -326,9 +344,14 @@ class TransactionCommitter:
                 port.failure = exc
                 port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
                 log.error("a transaction of partition %s failed (%s: %s); nothing it held "
-                          "is committed, and it is served again by the partition's next "
-                          "owner", tp.partition, type(exc).__name__, exc)
-                raise TransactionsFailed(f"transaction failed: {exc}") from exc
+                          "is committed, and it is served again from its commit point",
+                          tp.partition, type(exc).__name__, exc)
+                if self._on_failed is None:
+                    raise TransactionsFailed(f"transaction failed: {exc}") from exc
+                # The partition alone is dropped and taken over anew (a new producer of
+                # its id aborts what this one left open), as a restart would.
+                self._on_failed(tp, f"a transaction of partition {tp.partition} failed "
+                                    f"({type(exc).__name__}: {exc})")
 
     async def _commit(self, tp: Any, port: TransactionalProducerPort) -> None:
         if port.sent:

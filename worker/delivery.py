@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # A fenced partition the group still gives this worker this long after is taken over
 # again: a zombie hears from its group within a few heartbeats (one a second).
 RETAKE_AFTER_S = 5.0
+# A partition whose transaction failed otherwise is taken over again this soon.
+RETRY_AFTER_FAILURE_S = 1.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -75,7 +77,8 @@ class Delivery:
         if self.committer is None:
             self.committer = TransactionCommitter(
                 self.transactions, self._pending_offsets, self.tracker.mark_committed,
-                on_lost=self._on_partition_fenced, on_commit=self.metrics.observe_transaction)
+                on_lost=self._on_partition_fenced, on_failed=self._on_partition_failed,
+                on_commit=self.metrics.observe_transaction)
             self._committer_task = self.tasks.spawn(self.committer.run(), "transaction commits")
             log.info("delivery: exactly once (transactional ids %s.partition-N)",
                      self.group_id)
@@ -132,26 +135,41 @@ class Delivery:
         log.warning("%s (this worker was paused or cut off past its session timeout): "
                     "its %d requests here are dropped unanswered, served by their new "
                     "owner; nothing of it was committed from here", why, dropped)
+        self._drop_and_retake(tp, RETAKE_AFTER_S, "its transactional id was fenced (a "
+                              "transaction the coordinator timed out)")
+
+    def _on_partition_failed(self, tp: Any, why: str) -> None:
+        """A transaction of the partition failed other than by fencing (its coordinator
+        cut off from its followers, say): the partition alone is dropped and taken over
+        anew — its new producer aborts what the old one left open, and it is served
+        again from its commit point — instead of stopping the worker."""
+        self.tracker.revoke(tp)
+        dropped = self.drop_held({tp})
+        log.warning("%s: its %d requests here are dropped unanswered and served again "
+                    "from its commit point once it is taken over anew", why, dropped)
+        self._drop_and_retake(tp, RETRY_AFTER_FAILURE_S, why)
+
+    def _drop_and_retake(self, tp: Any, after_s: float, why: str) -> None:
         self.release([tp], f"stopping partition {tp.partition}'s producer")
         ingest = self.ingest_of()
         if ingest is not None:
             ingest.hold_back([tp])
-            self.tasks.spawn(self._retake_if_still_ours(tp, ingest, ingest.assignments),
+            self.tasks.spawn(self._retake_if_still_ours(tp, ingest, ingest.assignments,
+                                                        after_s, why),
                              f"checking partition {tp.partition}'s owner",
                              runs_forever=False)
 
-    async def _retake_if_still_ours(self, tp: Any, ingest: RequestIngest,
-                                    assignment: int) -> None:
+    async def _retake_if_still_ours(self, tp: Any, ingest: RequestIngest, assignment: int,
+                                    after_s: float, why: str) -> None:
         """A zombie learns within a few heartbeats that the group moved on (a rebalance,
-        or its membership lost); a partition still this worker's after RETAKE_AFTER_S
-        was fenced by a timed-out transaction, not by another owner."""
-        await asyncio.sleep(RETAKE_AFTER_S)
+        or its membership lost); a partition still this worker's `after_s` later is
+        taken over again."""
+        await asyncio.sleep(after_s)
         if (self.ingest_of() is not ingest or ingest.assignments != assignment
                 or ingest.membership_lost() or tp not in ingest.consumer.assignment()):
             return
-        log.warning("partition %d is still this worker's %.0f s after its transactional "
-                    "id was fenced (a transaction the coordinator timed out): taking it "
-                    "over again", tp.partition, RETAKE_AFTER_S)
+        log.warning("partition %d is still this worker's %g s after %s: taking it over "
+                    "again", tp.partition, after_s, why)
         self._take_over([tp], assignment)
 
     def _pending_offsets(self) -> dict[Any, tuple[int, str]]:

@@ -163,3 +163,45 @@ async def test_two_take_overs_of_one_partition_share_one_producer(settings,
         await txns.close_all()
         async with TopicAdmin(settings) as admin:
             await admin.delete([inputs, replies])
+
+
+async def test_a_failed_transaction_drops_its_partition_not_the_worker(settings) -> None:
+    """A transaction that fails other than by fencing (here the broker refuses a record
+    too large for its topic; under faults, a coordinator cut off from its followers
+    answers InvalidTxnState) is reported for its partition alone, which the worker
+    takes over anew; it stopped the whole worker (exit code 3) before. Without that
+    report, the failure still stops the committer."""
+    inputs = f"{settings.topic_prefix}.requests.f"
+    replies = f"{settings.topic_prefix}.replies-f"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 2, {}),
+                            TopicSpec(replies, 1, {"max.message.bytes": "2000"})])
+    group = f"{settings.topic_prefix}.f"
+    bad, good = TopicPartition(inputs, 0), TopicPartition(inputs, 1)
+    failed: list[tuple[object, str]] = []
+    txns = PartitionTransactions(settings.producer_options(), 30, group)
+    try:
+        await txns.open([bad, good])
+        committer = TransactionCommitter(
+            txns, lambda: {bad: (1, "h=0;a=0"), good: (1, "h=0;a=0")}, lambda _c: None,
+            on_failed=lambda tp, why: failed.append((tp, why)))
+        big = await txns.port(bad).send(replies, b"x" * 10_000, b"k")
+        small = await txns.port(good).send(replies, orjson.dumps({"n": 1}), b"k")
+        await committer.commit()  # does not raise
+        assert [tp for tp, _ in failed] == [bad]
+        assert "RecordTooLarge" in failed[0][1] or "MessageSizeTooLarge" in failed[0][1]
+        assert big.done() and big.exception() is not None
+        assert small.done() and small.exception() is None  # the other partition committed
+        await committer.commit()
+        assert len(failed) == 1  # reported once
+
+        await txns.close_all()
+        await txns.open([bad])
+        stopping = TransactionCommitter(txns, lambda: {}, lambda _c: None)
+        await txns.port(bad).send(replies, b"x" * 10_000, b"k")
+        with pytest.raises(Exception, match="transaction failed"):
+            await stopping.commit()
+    finally:
+        await txns.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
