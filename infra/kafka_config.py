@@ -288,6 +288,11 @@ def write_configs(cfg: InfraConfig, node: Node) -> None:
                 f"share.coordinator.state.topic.replication.factor={replicas}",
                 f"share.coordinator.state.topic.min.isr={min_isr}",
                 "group.initial.rebalance.delay.ms=0",
+                # A transaction left open by a worker that died or was cut off holds
+                # back every reply partition it wrote to (read_committed readers stop
+                # at its first record) until the coordinator aborts it: look for such
+                # transactions every second, not every 10 s (the default).
+                "transaction.abort.timed.out.transaction.cleanup.interval.ms=1000",
                 "log.retention.hours=24",
                 *tuning,
                 "",
