@@ -177,7 +177,10 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
     for sent in report.sent.values():
         if sent.latency_s is None or sent.outcome != "done" or sent.warmup:
             continue
-        during = any(a <= sent.at_s <= b for a, b in windows)
+        # During a fault: in flight at any moment of a fault's window (sent before it
+        # struck but not yet answered counts too).
+        answered = sent.at_s + sent.latency_s
+        during = any(a <= answered and sent.at_s <= b for a, b in windows)
         (report.fault_latency_s if during else report.calm_latency_s).append(sent.latency_s)
 
 

@@ -19,6 +19,8 @@ from common.topics import committed_and_coordinator, partitions_of
 # How long a coordinator that just took over may answer from behind (see
 # OffsetWatch) before a lower commit point counts as a rewind.
 STALE_READ_GRACE_S = 5.0
+# One look at the cluster's capacity (after a fault heals) waits this long at most.
+PROBE_S = 3.0
 
 
 class OffsetWatch:
@@ -182,8 +184,10 @@ class CapacityProbe:
 
         self._group, self._topic = settings.topic(MODEL), settings.requests_topic(MODEL)
         self._workers = workers
-        self._admin = AIOKafkaAdminClient(**settings.kafka_options())
+        self._options = settings.kafka_options()
+        self._admin = AIOKafkaAdminClient(**self._options)
         self._started = False
+        self.why = ""  # why the last `serving` said no
 
     async def serving(self) -> bool:
         from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
@@ -194,11 +198,15 @@ class CapacityProbe:
                 self._started = True
             described = (await self._admin.describe_topics([self._topic]))[0]
             partitions = {p["partition"] for p in described["partitions"]}
-            if not partitions or any(p["leader"] < 0 for p in described["partitions"]):
+            leaderless = sorted(p["partition"] for p in described["partitions"]
+                                if p["leader"] < 0)
+            if not partitions or leaderless:
+                self.why = f"partitions without a leader: {leaderless or 'all'}"
                 return False
             response = (await self._admin.describe_consumer_groups([self._group]))[0]
             group = response.to_object()["groups"][0]
             if group["error_code"] or group["state"] != "Stable":
+                self.why = f"group {group['state']} (error {group['error_code']})"
                 return False
             members = group["members"]
             assigned: set[int] = set()
@@ -206,16 +214,37 @@ class CapacityProbe:
                 decoded = ConsumerProtocolMemberAssignment.decode(member["member_assignment"])
                 assigned |= {tp.partition for tp in decoded.partitions()
                              if tp.topic == self._topic}
-            return len(members) == self._workers and assigned == partitions
-        except Exception:  # a broker or the coordinator away: not serving fully yet
+            if len(members) != self._workers or assigned != partitions:
+                self.why = (f"{len(members)} members, partitions "
+                            f"{sorted(partitions - assigned)} unassigned")
+                return False
+            return True
+        except Exception as exc:  # a broker or the coordinator away: not serving fully yet
+            self.why = f"{type(exc).__name__}: {exc}"
+            await self._reconnect()
             return False
+
+    async def _reconnect(self) -> None:
+        """A fresh admin client: one whose broker was killed may keep failing."""
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        if self._started:
+            with contextlib.suppress(Exception):
+                await self._admin.close()
+        self._admin = AIOKafkaAdminClient(**self._options)
+        self._started = False
 
     async def wait_back(self, timeout_s: float) -> float | None:
         """Seconds until `serving` holds (polled every 0.25 s); None past `timeout_s`."""
         began = time.monotonic()
         while time.monotonic() - began < timeout_s:
-            if await self.serving():
-                return round(time.monotonic() - began, 2)
+            try:
+                async with asyncio.timeout(PROBE_S):
+                    if await self.serving():
+                        return round(time.monotonic() - began, 2)
+            except TimeoutError:  # asked a broker that is gone: ask another
+                self.why = f"no answer within {PROBE_S:g} s"
+                await self._reconnect()
             await asyncio.sleep(0.25)
         return None
 

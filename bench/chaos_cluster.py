@@ -84,7 +84,9 @@ class Workers:
                  "--replica", str(replica)], env=self._env, stdout=log, stderr=subprocess.STDOUT)
 
     def kill(self, replica: int) -> None:
-        """SIGKILL the worker and wait for it (the nemesis's own exit, not counted)."""
+        """SIGKILL the worker and wait for it (the nemesis's own exit, not counted; one
+        that had exited already is, and is started again like a killed one)."""
+        self._note_exit(replica)
         proc = self.procs[replica]
         self._killed.add(proc.pid)
         proc.send_signal(signal.SIGKILL)

@@ -54,7 +54,8 @@ async def strike_faults(cluster: Cluster, schedule: list[tuple[float, str]], t0:
         await STRIKES[kind](cluster, fault)
         fault.ended_s = round(time.monotonic() - t0, 1)
         fault.capacity_back_s = await probe.wait_back(CAPACITY_WAIT_S)
-        back = ("not back within " f"{CAPACITY_WAIT_S:g} s" if fault.capacity_back_s is None
+        back = (f"not back within {CAPACITY_WAIT_S:g} s ({probe.why})"
+                if fault.capacity_back_s is None
                 else f"capacity back {fault.capacity_back_s:.1f} s later")
         say(f"  fault {len(report.faults)}: {kind} of {fault.target} at {fault.at_s:.0f} s, "
             f"over at {fault.ended_s:.0f} s, {back}")
