@@ -8,11 +8,18 @@ next heartbeat, that it is out: answers a second time. Exactly-once delivery is
 safe anyway (the partitions' new owners have fenced its transactional ids), but
 at-least-once readers would see a second answer under the same attempt.
 
+A worker cut off from its group coordinator (a network partition) runs on, but is
+dropped the same way, and when the cut heals, records it fetches before its next
+heartbeat hears the news would be answered twice under the same attempt (`sluice
+bench chaos --networked`: 20 requests once the worker cut from the brokers was back).
+
 `MembershipGate` watches the event loop's clock: a tick that comes more than
-`stall_s` late means the process did not run for that long. After such a stall,
+`stall_s` late means the process did not run for that long. It also watches the
+group coordinator's heartbeats: none answered for `silence_s` (less than the
+session timeout) while a member means the session may expire. After either,
 `confirmed()` holds every write until a heartbeat of its own says the group still
 knows this member (True: write on), or says it does not (False: drop the event —
-the rebalance that follows drops the rest). Without a stall it costs a clock read.
+the rebalance that follows drops the rest). Otherwise it costs a clock read.
 """
 
 from __future__ import annotations
@@ -30,13 +37,20 @@ RETRY_S = 0.5
 
 
 class MembershipGate:
-    def __init__(self, coordinator_of: Callable[[], Any], stall_s: float):
+    def __init__(self, coordinator_of: Callable[[], Any], stall_s: float,
+                 silence_s: float | None = None):
         self._coordinator_of = coordinator_of  # aiokafka's group coordinator, or None
         self._stall_s = stall_s
+        self._silence_s = silence_s  # None: heartbeats not watched
         self._last_tick = time.monotonic()
         self._suspect = False
         self._checking = asyncio.Lock()
         self.num_stalls = 0
+        # The coordinator whose heartbeats are watched, its membership then, and when
+        # it last answered one (or joined: a join is an answer too).
+        self._watched: Any = None
+        self._membership: tuple[str, int] = ("", -1)
+        self.last_answer = time.monotonic()
 
     async def watch(self) -> None:
         while True:
@@ -52,6 +66,41 @@ class MembershipGate:
             self.num_stalls += 1
             log.warning("this worker did not run for %.1f s (paused?): writing nothing until "
                         "a heartbeat says it is still a member of its consumer group", late)
+        if self._silence_s is not None:
+            self._watch_heartbeats(now)
+
+    def _watch_heartbeats(self, now: float) -> None:
+        coordinator = self._coordinator_of()
+        if coordinator is None:
+            return
+        if coordinator is not self._watched:
+            self._watched = coordinator
+            self._wrap(coordinator)
+            self.last_answer = now
+        membership = (coordinator.member_id, coordinator.generation)
+        if membership != self._membership:  # joined (or reset): counts as heard
+            self._membership = membership
+            self.last_answer = now
+        silent = now - self.last_answer
+        if (coordinator.member_id and not self._suspect and self._silence_s is not None
+                and silent > self._silence_s):
+            self._suspect = True
+            self.num_stalls += 1
+            log.warning("no heartbeat of this worker answered for %.1f s (cut off from its "
+                        "group coordinator?): writing nothing until one says it is still a "
+                        "member of its consumer group", silent)
+
+    def _wrap(self, coordinator: Any) -> None:
+        """Note each heartbeat the coordinator answers (aiokafka keeps that to itself)."""
+        beat = coordinator._do_heartbeat
+
+        async def heartbeat() -> bool:
+            alive = await beat()
+            if alive:
+                self.last_answer = time.monotonic()
+            return bool(alive)
+
+        coordinator._do_heartbeat = heartbeat
 
     async def confirmed(self) -> bool:
         """Whether writes may go on: at once without a stall; after one, once the group
@@ -76,6 +125,7 @@ class MembershipGate:
                     alive = False
                 if alive:
                     self._suspect = False
+                    self.last_answer = time.monotonic()
                     log.info("still a member of the consumer group after the stall; "
                              "writing again")
                     return True

@@ -40,7 +40,7 @@ from common.timeouts import within
 from common.tracing import Tracing
 from gpu_runtime import Runtime
 from gpu_runtime.planner import available_device_bytes
-from ingest.consumer import RequestIngest
+from ingest.consumer import SESSION_TIMEOUT_MS, RequestIngest
 from ingest.offsets import OffsetTracker
 from ingest.permissions import PermissionChecker
 from results.writer import ResultWriter
@@ -76,6 +76,9 @@ PUMP_IDLE_S = 5.0
 # A stall this long (of the session timeout's 10 s) makes the worker confirm its group
 # membership before it writes again.
 STALL_S = 3.0
+# No heartbeat answered this long (of the session's 10 s): the same check, for a worker
+# cut off from its group coordinator.
+HEARTBEAT_SILENCE_S = SESSION_TIMEOUT_MS / 1000 / 2
 
 
 class WorkerTaskFailed(RuntimeError):
@@ -127,7 +130,7 @@ class Worker:
         # After a stall (a pause) nothing is written until the group still knows us.
         self.membership = MembershipGate(
             lambda: self.ingest.consumer._coordinator if self.ingest is not None else None,
-            stall_s=STALL_S)
+            stall_s=STALL_S, silence_s=HEARTBEAT_SILENCE_S)
 
     @property
     def runtime(self) -> Runtime | None:

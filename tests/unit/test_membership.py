@@ -13,6 +13,7 @@ class FakeCoordinator:
 
     def __init__(self, answers: list[bool]):
         self.member_id = "m-1"
+        self.generation = 1
         self.answers = answers
         self.heartbeats = 0
 
@@ -48,3 +49,26 @@ async def test_after_a_stall_a_heartbeat_decides() -> None:
     assert not await gate.confirmed() and gone.heartbeats == 1
     gone.member_id, gone.answers = "m-2", [True]  # rejoined: writes go on
     assert await gate.confirmed()
+
+
+async def test_heartbeats_unanswered_past_the_silence_hold_writes() -> None:
+    """A worker cut off from its group coordinator runs on: no stall, but no heartbeat
+    answered. Past `silence_s` it writes nothing until a heartbeat decides (the cut
+    healed, its session long expired: out, so its late answers are dropped)."""
+    coordinator = FakeCoordinator([False])
+    gate = MembershipGate(lambda: coordinator, stall_s=3.0, silence_s=5.0)
+    gate._tick()  # watches the coordinator's heartbeats from now
+    assert await gate.confirmed() and coordinator.heartbeats == 0
+    gate.last_answer = time.monotonic() - 6  # none answered for 6 s
+    gate._tick()
+    assert not await gate.confirmed()  # the heartbeat it sends is refused: dropped
+    assert gate.num_stalls == 1
+
+    # Answered heartbeats keep it writing, however long it runs.
+    alive = FakeCoordinator([True, True])
+    gate = MembershipGate(lambda: alive, stall_s=3.0, silence_s=5.0)
+    gate._tick()
+    await alive._do_heartbeat()  # the wrapped heartbeat notes the answer
+    assert time.monotonic() - gate.last_answer < 1
+    gate._tick()
+    assert await gate.confirmed() and gate.num_stalls == 0
