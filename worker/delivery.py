@@ -130,26 +130,27 @@ class Delivery:
         the same way. Nothing more is written or committed for it; what this worker held
         of it is dropped. If the group still gives it to this worker a while later, it
         is taken over again (else nobody would serve it)."""
-        self.tracker.revoke(tp)
-        dropped = self.drop_held({tp})
+        dropped = self._drop_and_retake(tp, RETAKE_AFTER_S, "its transactional id was "
+                                        "fenced (a transaction the coordinator timed out)")
         log.warning("%s (this worker was paused or cut off past its session timeout): "
                     "its %d requests here are dropped unanswered, served by their new "
                     "owner; nothing of it was committed from here", why, dropped)
-        self._drop_and_retake(tp, RETAKE_AFTER_S, "its transactional id was fenced (a "
-                              "transaction the coordinator timed out)")
 
     def _on_partition_failed(self, tp: Any, why: str) -> None:
         """A transaction of the partition failed other than by fencing (its coordinator
         cut off from its followers, say): the partition alone is dropped and taken over
         anew — its new producer aborts what the old one left open, and it is served
         again from its commit point — instead of stopping the worker."""
-        self.tracker.revoke(tp)
-        dropped = self.drop_held({tp})
+        dropped = self._drop_and_retake(tp, RETRY_AFTER_FAILURE_S, why)
         log.warning("%s: its %d requests here are dropped unanswered and served again "
                     "from its commit point once it is taken over anew", why, dropped)
-        self._drop_and_retake(tp, RETRY_AFTER_FAILURE_S, why)
 
-    def _drop_and_retake(self, tp: Any, after_s: float, why: str) -> None:
+    def _drop_and_retake(self, tp: Any, after_s: float, why: str) -> int:
+        """Nothing more is answered, written or committed for `tp` here; it is taken over
+        again `after_s` later if the group still gives it to this worker. Returns how
+        many held requests were dropped."""
+        self.tracker.revoke(tp)
+        dropped = self.drop_held({tp})
         self.release([tp], f"stopping partition {tp.partition}'s producer")
         ingest = self.ingest_of()
         if ingest is not None:
@@ -158,6 +159,7 @@ class Delivery:
                                                         after_s, why),
                              f"checking partition {tp.partition}'s owner",
                              runs_forever=False)
+        return dropped
 
     async def _retake_if_still_ours(self, tp: Any, ingest: RequestIngest, assignment: int,
                                     after_s: float, why: str) -> None:
@@ -166,7 +168,7 @@ class Delivery:
         taken over again."""
         await asyncio.sleep(after_s)
         if (self.ingest_of() is not ingest or ingest.assignments != assignment
-                or ingest.membership_lost() or tp not in ingest.consumer.assignment()):
+                or ingest.membership_lost() or not self._still_assigned(tp)):
             return
         log.warning("partition %d is still this worker's %g s after %s: taking it over "
                     "again", tp.partition, after_s, why)
