@@ -83,6 +83,11 @@ class SafeFetcher:
         self._next.pop(tp, None)
         self._start[tp] = start_offset
 
+    def resume_offset(self, tp: TopicPartition) -> int | None:
+        """Where reading `tp` goes on: one past the last record handed over, else where
+        it was started (None: from the beginning, or not known)."""
+        return self._next.get(tp, self._start.get(tp))
+
     def revoked(self, tp: TopicPartition) -> None:
         self._next.pop(tp, None)
         self._start.pop(tp, None)

@@ -23,9 +23,11 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import ConsumerRecord
 
-from common.safe_fetch import SafeFetcher
+from common.safe_fetch import SafeFetcher, describe
+from common.timeouts import within
 from common.topics import partitions_of
 from ingest.checks import RequestChecks
 from ingest.offsets import OffsetTracker
@@ -80,7 +82,11 @@ class RequestIngest:
         self.consumer = AIOKafkaConsumer(
             **options.kafka_options, group_id=options.group_id,
             group_instance_id=options.instance_id, enable_auto_commit=False,
-            auto_offset_reset="earliest", isolation_level="read_committed",
+            # Never a silent jump: "earliest" restarted a partition from offset 0 when a
+            # fetch came back out of range (a leader killed mid-run), and every finished
+            # request was read again. Positions are set by `start_partitions` and, when
+            # out of range, by `_reposition`.
+            auto_offset_reset="none", isolation_level="read_committed",
             session_timeout_ms=SESSION_TIMEOUT_MS, rebalance_timeout_ms=SESSION_TIMEOUT_MS,
             heartbeat_interval_ms=1_000,
             max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=16 * 1024 * 1024,
@@ -176,7 +182,8 @@ class RequestIngest:
         for tp in tps:
             meta = committed.get(tp)
             offset = meta.offset if meta is not None and meta.offset >= 0 else None
-            self.tracker.assign(tp, meta.metadata if meta is not None else None, ends.get(tp))
+            self.tracker.assign(tp, meta.metadata if meta is not None else None, ends.get(tp),
+                                committed_offset=offset)
             self.fetcher.assigned(tp, offset)
             if tp in self._not_started:
                 if offset is None:
@@ -227,13 +234,20 @@ class RequestIngest:
 
     async def poll(self, max_records: int) -> int:
         """Read up to `max_records` and route each one's verdict; returns how many."""
-        records, unreadable = await self.fetcher.getmany(timeout_ms=50, max_records=max_records)
+        try:
+            records, unreadable = await self.fetcher.getmany(timeout_ms=50,
+                                                             max_records=max_records)
+        except (OffsetOutOfRangeError, NoOffsetForPartitionError) as exc:
+            await self._reposition(exc)
+            return 0
         # Only partitions assigned now (a revoked one's last fetch is no longer ours).
         epochs = {tp: self.tracker.epoch(tp) for tp in
                   {TopicPartition(r.topic, r.partition) for r in records}
                   | {bad.tp for bad in unreadable}}
         records = [r for r in records
-                   if epochs[TopicPartition(r.topic, r.partition)] is not None]
+                   if epochs[TopicPartition(r.topic, r.partition)] is not None
+                   and not self.tracker.read_before(TopicPartition(r.topic, r.partition),
+                                                    r.offset)]
         unreadable = [bad for bad in unreadable if epochs[bad.tp] is not None]
         # Records the partition's last owner finished are not served again.
         finished = [r for r in records
@@ -281,6 +295,43 @@ class RequestIngest:
             await self._route(cancel)
         self.num_records += len(records) + len(unreadable) + len(finished)
         return len(records) + len(unreadable) + len(finished)
+
+    async def _reposition(self, exc: OffsetOutOfRangeError | NoOffsetForPartitionError
+                          ) -> None:
+        """A partition's position is out of its log's range, or it has none: put it back
+        where reading goes on (one past the last record handed over, else where it was
+        started), never at the log's start unless records there are owed. A partition
+        not started yet has no position until `start_partitions` seeks it (the consumer
+        asks on its own first), so it is left alone."""
+        arg = exc.args[0] if exc.args else None
+        wanted = arg if isinstance(arg, dict) else {arg: None} if arg is not None else {}
+        for tp, fetch_offset in wanted.items():
+            if tp not in self.consumer.assignment() or tp in self._not_started:
+                continue
+            offset = self.fetcher.resume_offset(tp)
+            if offset is None:
+                offset = fetch_offset
+            try:
+                begins = await within(10, self.consumer.beginning_offsets([tp]))
+            except Exception as lookup:  # a leader away: try again from the same place
+                log.warning("%s: looking up the log's start failed (%s)", tp, describe(lookup))
+                begins = {}
+            begin = begins.get(tp)
+            if offset is None and begin is None:
+                await asyncio.sleep(0.2)  # nowhere known yet: the next poll asks again
+                continue
+            if offset is None or (begin is not None and offset < begin):
+                log.error("%s: records below offset %s were deleted before they were "
+                          "read (retention); going on from %s", tp, begin, begin)
+                offset = begin
+            else:
+                # Past the end of the leader's log: one that does not have every record
+                # yet. Wait for it at the same offset rather than skip or replay.
+                log.warning("%s: offset %d is out of the log's range (start %s); reading "
+                            "from it again", tp, offset, begin)
+                await asyncio.sleep(0.2)
+            if tp in self.consumer.assignment() and tp not in self._not_started:
+                self.consumer.seek(tp, offset)
 
     def _num_partitions(self) -> int | None:
         partitions = self.consumer.partitions_for_topic(self.options.request_topic)

@@ -60,6 +60,9 @@ class _Partition:
     # (None: all of them, as far as anyone knows).
     redelivered_unfinished: frozenset[int] | None = None
     committed: tuple[int, str] | None = None
+    # Every offset below this is finished: the group's commit point at assignment.
+    floor: int = 0
+    reread_logged: bool = False
     epoch: int = 0  # of this assignment
     closed: bool = False  # being handed over: no new work
     silenced: bool = False  # handed over: nothing more is answered
@@ -82,10 +85,11 @@ class OffsetTracker:
     watch: CommitWatch | None = None  # None (tracing off) costs nothing
 
     def assign(self, tp: object, committed_metadata: str | None,
-               end_offset: int | None = None) -> int:
-        """A partition was assigned; `committed_metadata` is what the last owner left,
-        `end_offset` the partition's end now. Returns the assignment's epoch."""
-        part = _Partition(epoch=next(self._epochs))
+               end_offset: int | None = None, committed_offset: int | None = None) -> int:
+        """A partition was assigned; `committed_metadata` is what the last owner left
+        with `committed_offset`, `end_offset` the partition's end now. Returns the
+        assignment's epoch."""
+        part = _Partition(epoch=next(self._epochs), floor=max(committed_offset or 0, 0))
         match = _META_RE.match(committed_metadata or "")
         if match:
             part.redelivered_upto = int(match.group(1))
@@ -137,6 +141,22 @@ class OffsetTracker:
         return (part is not None and part.redelivered_unfinished is not None
                 and offset <= part.redelivered_upto
                 and offset not in part.redelivered_unfinished)
+
+    def read_before(self, tp: object, offset: int) -> bool:
+        """Whether `offset` is behind where this assignment of `tp` has read: below the
+        commit point it started from, or below its highest offset read. Such a record is
+        finished or in flight already; reading it again means the consumer's position
+        went back, and it is never served again (logged once an assignment)."""
+        part = self.partitions.get(tp)
+        if part is None or not (offset < part.floor or (part.next_offset is not None
+                                                        and offset < part.next_offset)):
+            return False
+        if not part.reread_logged:
+            part.reread_logged = True
+            log.error("%s: offset %d was read again (read up to %s, commit point %d at "
+                      "assignment); records already read are not served again", tp, offset,
+                      None if part.next_offset is None else part.next_offset - 1, part.floor)
+        return True
 
     def revoke(self, tp: object) -> None:
         self.partitions.pop(tp, None)

@@ -136,3 +136,19 @@ def test_unfinished_records_too_many_for_ranges_go_as_a_bitmap():
     heir.assign("p0", meta, end_offset=4100)
     assert not any(heir.finished_earlier("p0", o) for o in range(100, 4100, 2))
     assert all(heir.finished_earlier("p0", o) for o in range(101, 4100, 2))
+
+
+def test_a_record_read_again_is_not_served_again():
+    tracker = OffsetTracker()
+    tracker.assign("p0", "h=9;a=0", end_offset=12, committed_offset=10)
+    assert all(tracker.read_before("p0", o) for o in range(10))  # below the commit point
+    assert not tracker.read_before("p0", 10)
+    tracker.start("p0", 10)
+    tracker.start("p0", 11)
+    tracker.finish("p0", 11)
+    assert tracker.read_before("p0", 10)  # in flight
+    assert tracker.read_before("p0", 11)  # finished by this owner
+    assert not tracker.read_before("p0", 12)
+    fresh = OffsetTracker()
+    fresh.assign("p0", None)  # never committed: read from the log's start
+    assert not fresh.read_before("p0", 0)
