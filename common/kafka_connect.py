@@ -37,7 +37,7 @@ async def diagnose(settings: Settings, original: BaseException | None = None) ->
 
     k = settings.kafka
     options = {key: value for key, value in settings.kafka_options().items()
-               if key != "bootstrap_servers"}
+               if key not in ("bootstrap_servers", "metadata_max_age_ms")}
     timeout_ms = int(min(settings.client.timeout_secs, 30) * 1000)
     servers = [s.strip() for s in str(settings.kafka_bootstrap).split(",") if s.strip()]
     for server in servers:

@@ -22,6 +22,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from common.kafka_security import KafkaSettings, client_options
 from schemas.names import POOL_PATTERN
 
+# Every Kafka client asks for the cluster's metadata at least this often (Kafka's
+# default: 5 min). A leader cut off from its followers but not from its clients keeps
+# serving them as if it led: without an error to make them ask, they learn of the new
+# leaders only when the cut heals (`sluice bench chaos --networked`).
+METADATA_MAX_AGE_MS = 5_000
+
 
 class ServerSettings(BaseModel):
     timeout_seconds: float = Field(default=60.0, gt=0)
@@ -108,7 +114,8 @@ class Settings(BaseSettings):
     def kafka_options(self) -> dict[str, Any]:
         """Connection options of every Kafka client sluice creates (consumers,
         producers, admin): the one place they are built."""
-        return {"bootstrap_servers": self.kafka_bootstrap, **client_options(self.kafka)}
+        return {"bootstrap_servers": self.kafka_bootstrap,
+                "metadata_max_age_ms": METADATA_MAX_AGE_MS, **client_options(self.kafka)}
 
     def database_dsn(self) -> str:
         """SLUICE_DATABASE_URL with SLUICE_DATABASE__SSL_CAFILE applied."""

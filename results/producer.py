@@ -16,6 +16,17 @@ from aiokafka.errors import KafkaError
 
 from common.topics import partitions_of
 
+# A worker's requests to a broker wait this long at most (less when
+# SLUICE_CLIENT__TIMEOUT_SECS is lower). A leader cut off from its followers holds an
+# acks=all write until it times out; retried, it goes to the new leader (metadata
+# refreshed, at the latest every METADATA_MAX_AGE_MS) instead of waiting for the cut
+# to heal.
+PRODUCE_TIMEOUT_S = 10.0
+
+
+def produce_timeout_ms(request_timeout_s: float) -> int:
+    return int(min(request_timeout_s, PRODUCE_TIMEOUT_S) * 1000)
+
 
 class TransactionsFailed(KafkaError):
     """Exactly-once delivery's transactions failed for good (fenced by a newer replica,
@@ -50,7 +61,7 @@ class KafkaProducerPort:
     def __init__(self, options: Mapping[str, Any], request_timeout_s: float):
         self._producer = AIOKafkaProducer(
             **options, enable_idempotence=True, acks="all", linger_ms=1,
-            request_timeout_ms=int(request_timeout_s * 1000),
+            request_timeout_ms=produce_timeout_ms(request_timeout_s),
             max_request_size=8 * 1024 * 1024,
         )
 

@@ -55,7 +55,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from common.timeouts import within
 from common.topics import partitions_of
-from results.producer import TransactionsFailed
+from results.producer import TransactionsFailed, produce_timeout_ms
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class TransactionalProducerPort:
         self.transactional_id = transactional_id
         self.producer = AIOKafkaProducer(
             **options, transactional_id=transactional_id, enable_idempotence=True,
-            acks="all", linger_ms=1, request_timeout_ms=int(request_timeout_s * 1000),
+            acks="all", linger_ms=1, request_timeout_ms=produce_timeout_ms(request_timeout_s),
             max_request_size=8 * 1024 * 1024, transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
         )
         self._request_timeout_s = request_timeout_s
