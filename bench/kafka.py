@@ -14,10 +14,14 @@ the same concurrency; requests/s and tokens/s of each.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import random
+import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,9 @@ from bench.served import (
     twin_model_process,
 )
 from common.threads import run_in_own_thread
+from common.tracing import Tracing
 from gpu_runtime import Runtime, RuntimeConfig, SamplingParams
+from infra.common import free_port
 from schemas import DoneEvent as WireDone
 from schemas import TokenEvent as WireToken
 
@@ -192,6 +198,9 @@ async def bench_kafka(served: Served, device: str,
     }
     results["exactly_once"] = await _exactly_once_cost(served, device, quick, prompts[:count],
                                                        max_tokens)
+    results["tracing"] = await _tracing_cost(served, device, quick, prompts[:count], max_tokens)
+    for name, tracing_goal in results["tracing"].get("goals", {}).items():
+        results["goals"][f"tracing_{name}"] = tracing_goal
     return results, {"in-process": local["ttft"], "kafka": remote["ttft"]}
 
 
@@ -252,6 +261,125 @@ async def _exactly_once_cost(served: Served, device: str, quick: bool,
         },
         "workload": f"{len(prompts)} requests one at a time per mode, alternating; bulk "
                     f"{num_bulk} prompts x {concurrency} in flight per mode, alternating runs",
+    }
+
+
+@contextlib.asynccontextmanager
+async def _otlp_sink() -> AsyncIterator[str]:
+    """An OTLP/HTTP endpoint in a process of its own (`bench.otlp_sink`): its URL."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.otlp_sink", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30):
+            assert proc.stdout is not None
+            if (await proc.stdout.readline()).strip() != b"ready":
+                raise RuntimeError("the OTLP sink did not start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(10):
+                await proc.wait()
+
+
+async def _exported(tracing: Tracing) -> float:
+    """Export what the traced worker still holds; the seconds it took (a run's spans
+    are exported inside the run's own time, so their cost is counted)."""
+    started = time.perf_counter()
+    exporter = tracing.exporter
+    async with asyncio.timeout(60):
+        while not exporter.idle:
+            # Again each time: spans of a request committed after the export began
+            # would otherwise wait for the schedule delay (5 s).
+            exporter.export_now()
+            await asyncio.sleep(0.005)
+    return time.perf_counter() - started
+
+
+async def _tracing_cost(served: Served, device: str, quick: bool,
+                        prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Two twins of the model in this process, one tracing every request (OTLP to a
+    receiver in another process: the collector is elsewhere in a deployment), one not:
+    the same requests one at a time, alternating, then bulk runs in the order off, on,
+    on, off (a machine that drifts during the run costs both alike). A traced run's
+    time includes exporting its spans."""
+    from bench.served import twin_model
+    from sluice.batch import run_batch
+
+    num_bulk, concurrency, cycles = (96, 32, 1) if quick else (512, 64, 3)
+    modes = ("off", "on")
+    lat: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "e2e": []} for m in modes}
+    bulk: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
+    async with _otlp_sink() as endpoint:
+        traced = Tracing.from_env("sluice-bench-worker", {
+            "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+        if not traced:
+            return {"not_available": "the OpenTelemetry packages are not installed "
+                                     "(install sluice-engine[otel])"}
+        async with (twin_model(served, f"{MODEL}-untraced", device,
+                               tracing=Tracing.off()) as plain,
+                    twin_model(served, f"{MODEL}-traced", device, tracing=traced) as twin):
+            models = {"off": plain, "on": twin}
+            await _exported(traced)
+            for i, prompt in enumerate(prompts):
+                for mode, model in models.items():
+                    ttft, e2e, _ = await _through_kafka(served, f"tr-{mode}-{i}", prompt,
+                                                        max_tokens, model)
+                    lat[mode]["ttft"].append(ttft)
+                    lat[mode]["e2e"].append(e2e)
+            await _exported(traced)
+            lines = [{"custom_id": f"t{i}", "body": {"prompt_token_ids": p,
+                                                      "max_tokens": max_tokens,
+                                                      "temperature": 0.0}}
+                     for i, p in enumerate(_prompts(num_bulk, _vocab(served.model_dir), 37))]
+            with tempfile.TemporaryDirectory() as tmp:
+                in_path = Path(tmp) / "in.jsonl"
+                in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+                for r, mode in enumerate(["off", "on", "on", "off"] * cycles):
+                    summary = await run_batch(served.client, in_path,
+                                              Path(tmp) / f"out-{mode}-{r}.jsonl",
+                                              model=models[mode], api_key=served.api_key,
+                                              concurrency=concurrency)
+                    if summary.num_errors:
+                        raise RuntimeError(f"tracing {mode}: a bulk run had "
+                                           f"{summary.num_errors} errors")
+                    seconds = summary.seconds + (await _exported(traced) if mode == "on"
+                                                 else 0.0)
+                    bulk[mode].append((seconds, summary.num_completion_tokens))
+        spans = traced.exporter.num_exported
+        await asyncio.to_thread(traced.shutdown)
+
+    def tokens_s(runs: list[tuple[float, int]]) -> float:
+        return sum(t for _, t in runs) / sum(s for s, _ in runs)
+
+    ttft = {m: percentile(lat[m]["ttft"], 0.5) for m in modes}
+    rate = {m: tokens_s(runs) for m, runs in bulk.items()}
+    ttft_cost = None if not ttft["off"] else (ttft["on"] / ttft["off"] - 1) * 100
+    bulk_cost = (1 - rate["on"] / rate["off"]) * 100
+    return {
+        "off_ttft": latency_figures(lat["off"]["ttft"]),
+        "on_ttft": latency_figures(lat["on"]["ttft"]),
+        "bulk_tokens_per_s": {m: figure(v, "tok/s", 1) for m, v in rate.items()},
+        "bulk_runs_tokens_per_s": {m: [round(t / s, 1) for s, t in runs]
+                                   for m, runs in bulk.items()},
+        "spans_exported": figure(spans, "spans", 0),
+        "ratios": {
+            "ttft_p50_on_over_off": ratio(ttft["on"], ttft["off"]),
+            "bulk_tokens_s_on_over_off": ratio(rate["on"], rate["off"]),
+        },
+        "goals": {
+            "ttft_p50_cost": goal("tracing on adds <= 3 % to TTFT p50", ttft_cost, 3.0,
+                                  higher_is_better=False, unit="%"),
+            "bulk_tokens_s_cost": goal("tracing on costs <= 3 % of bulk tokens/s",
+                                       bulk_cost, 3.0, higher_is_better=False, unit="%"),
+        },
+        "workload": f"{len(prompts)} requests one at a time per twin, alternating; bulk "
+                    f"{num_bulk} prompts x {concurrency} in flight, runs off/on/on/off x "
+                    f"{cycles}; every request traced (OTLP/HTTP to a receiver in another "
+                    "process, spans of a run exported within its time)",
     }
 
 

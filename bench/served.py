@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.settings import Settings
+from common.tracing import Tracing
 from sluice.client import Client
 from worker.worker import Worker, WorkerOptions
 
@@ -94,15 +95,16 @@ async def _first_answer(served: Served, name: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def twin_model(served: Served, name: str, device: str,
-                     **compute: object) -> AsyncIterator[str]:
+async def twin_model(served: Served, name: str, device: str, *,
+                     tracing: Tracing | None = None, **compute: object) -> AsyncIterator[str]:
     """A second model on the same weights, with `compute` config changes (exactly-once
-    delivery, say) and its own worker in this process: the same run measures both."""
+    delivery, say) and its own worker in this process: the same run measures both.
+    `tracing`: the twin's (default: as the OTEL_* variables say)."""
     settings = served.settings
     await _register_twin(served, name, compute)
     worker = Worker(settings, WorkerOptions(
         model=name, device=device, instance_id=f"{settings.topic_prefix}-{name}",
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, compile=False))
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, compile=False), tracing=tracing)
     task = asyncio.create_task(worker.run())
     try:
         await _first_answer(served, name)

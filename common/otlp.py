@@ -1,12 +1,13 @@
-"""OTLP over HTTP (protobuf) for sluice's spans: encoded and sent in a thread of its own.
+"""OTLP over HTTP (protobuf) for sluice's spans: encoded and sent in a process of its own.
 
 Why not the SDK's span objects and exporter: measured on the tiny model's bulk
 load (2 cores), the SDK spent ~450 us making a request's seven spans
 (`Tracer.start_span`, attribute cleaning, locks) and ~300 us encoding them —
 about a fifth of the worker's throughput. Here a finished span is one tuple
-appended to a deque on the request path; this module's thread encodes batches
-straight into the OTLP protobuf messages (upb, ~125 us a request) and posts
-them. What the SDK does well is still the SDK's: the resource (OTEL_SERVICE_NAME,
+appended to a deque on the request path; this module's thread hands batches to
+a process of its own (`python -m common.otlp`), which encodes them straight into
+the OTLP protobuf messages (upb, ~125 us a request) and posts them. What the
+SDK does well is still the SDK's: the resource (OTEL_SERVICE_NAME,
 OTEL_RESOURCE_ATTRIBUTES), the sampler (OTEL_TRACES_SAMPLER), the event limit
 (OTEL_SPAN_EVENT_COUNT_LIMIT), the header syntax (OTEL_EXPORTER_OTLP_HEADERS).
 
@@ -22,11 +23,20 @@ are dropped and counted in a log line, never waited for.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import requests
@@ -136,33 +146,151 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
         return default
 
 
+@dataclass(frozen=True, slots=True)
+class PostOptions:
+    """How batches are posted (plain values: they go to the encoding process)."""
+
+    endpoint: str
+    headers: Mapping[str, str]
+    gzip: bool
+    timeout_s: float
+    verify: bool | str
+    cert: tuple[str, str] | str | None
+    resource: Mapping[str, Any]
+    scope: str
+
+
+class Poster:
+    """Encodes batches and posts them, retrying what a collector asks to have again."""
+
+    def __init__(self, options: PostOptions):
+        self.options = options
+        self._session = requests.Session()
+        self._session.verify = options.verify
+        if options.cert:
+            self._session.cert = options.cert
+
+    def post(self, batch: list[Finished], retry: bool) -> str | None:
+        """Export `batch`; None when done, else why it was not."""
+        o = self.options
+        try:
+            data = encode(batch, o.resource, o.scope)
+        except Exception as exc:
+            return f"{len(batch)} spans could not be encoded; dropped ({exc!r})"
+        if o.gzip:
+            data = gzip.compress(data)
+        backoff = 0.5
+        deadline = time.monotonic() + o.timeout_s
+        while True:
+            try:
+                resp = self._session.post(o.endpoint, data=data, headers=dict(o.headers),
+                                          timeout=o.timeout_s)
+                if resp.ok:
+                    return None
+                why = f"HTTP {resp.status_code}"
+                again = resp.status_code in _RETRY_STATUS
+            except requests.RequestException as exc:
+                why, again = f"{type(exc).__name__}: {exc}", True
+            if not (retry and again) or time.monotonic() + backoff > deadline:
+                return f"{len(batch)} spans not exported to {o.endpoint}: {why}"
+            time.sleep(backoff)
+            backoff *= 2
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class _EncodingProcess:
+    """`python -m common.otlp`: a Poster in a process of its own, fed over a pipe.
+
+    Encoding is a Python loop over every attribute and event (~60-85 us a request); in a
+    thread of the worker it held the GIL in 5 ms slices, and each time the serving thread
+    gave the GIL up meanwhile (a socket call, a model step's native call) it waited for
+    one to end: traced bulk runs lost 20-45 % of their tokens/s to it (`sluice bench
+    kafka`, tracing section). Here the worker's side only pickles a batch (C, ~2 us a
+    span) and waits on the pipe."""
+
+    def __init__(self, options: PostOptions):
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "common.otlp"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, close_fds=True)
+        stdin, stdout = self._proc.stdin, self._proc.stdout
+        assert stdin is not None and stdout is not None
+        # The connections own copies of the pipes' ends (they close them when collected).
+        self._to = Connection(os.dup(stdin.fileno()), readable=False)
+        self._from = Connection(os.dup(stdout.fileno()), writable=False)
+        stdin.close()
+        stdout.close()
+        self._to.send(options)
+
+    def post(self, batch: list[Finished], retry: bool) -> str | None:
+        self._to.send_bytes(pickle.dumps((batch, retry), pickle.HIGHEST_PROTOCOL))
+        return self._from.recv()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the process: the closed pipe is its signal to finish."""
+        with contextlib.suppress(OSError):
+            self._to.close()
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        with contextlib.suppress(OSError):
+            self._from.close()
+
+
+def _serve_pipe() -> None:
+    """The encoding process: options first, then (batch, retry) pairs until the pipe
+    closes; each answered with None or why the batch was not exported."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the worker; EOF ends this
+    out_fd = os.dup(1)
+    os.dup2(2, 1)  # a stray print must not corrupt the answers
+    inbox, outbox = Connection(0, writable=False), Connection(out_fd, readable=False)
+    poster = Poster(inbox.recv())
+    try:
+        while True:
+            try:
+                batch, retry = inbox.recv()
+            except EOFError:
+                return
+            outbox.send(poster.post(batch, retry))
+    finally:
+        poster.close()
+
+
 class Exporter:
-    """Batches finished spans and posts them to the OTLP/HTTP endpoint, in its thread."""
+    """Batches finished spans and has them posted to the OTLP/HTTP endpoint: a thread
+    of its own hands them to the encoding process (`_EncodingProcess`)."""
 
     def __init__(self, env: Mapping[str, str], resource: Mapping[str, Any], scope: str):
-        self._resource = dict(resource)
-        self._scope = scope
         base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/")
         self.endpoint = (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                          or (f"{base}/v1/traces" if base else "http://localhost:4318/v1/traces"))
-        self._headers = {"Content-Type": "application/x-protobuf",
-                         **parse_env_headers(_env(env, "HEADERS"), liberal=True)}
-        self._gzip = _env(env, "COMPRESSION").strip().lower() == "gzip"
-        if self._gzip:
-            self._headers["Content-Encoding"] = "gzip"
-        self._timeout_s = _number(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
-                                  _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0))
-        self._session = requests.Session()
-        self._session.verify = _env(env, "CERTIFICATE") or True
+        headers = {"Content-Type": "application/x-protobuf",
+                   **parse_env_headers(_env(env, "HEADERS"), liberal=True)}
+        compress = _env(env, "COMPRESSION").strip().lower() == "gzip"
+        if compress:
+            headers["Content-Encoding"] = "gzip"
         client_cert, client_key = _env(env, "CLIENT_CERTIFICATE"), _env(env, "CLIENT_KEY")
-        if client_cert:
-            self._session.cert = (client_cert, client_key) if client_key else client_cert
+        self.options = PostOptions(
+            endpoint=self.endpoint, headers=headers, gzip=compress,
+            timeout_s=_number(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+                              _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0)),
+            verify=_env(env, "CERTIFICATE") or True,
+            cert=((client_cert, client_key) if client_key else client_cert) or None,
+            resource=dict(resource), scope=scope)
         self._delay_s = _number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self._max_queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048))
         self._max_batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
         self._queue: collections.deque[Finished] = collections.deque()
         self._wake = threading.Event()
+        self._exporting = False
         self._stopping = False
+        self._poster: _EncodingProcess | None = None
         self.num_dropped = 0
         self.num_exported = 0
         self._warned_at = 0.0
@@ -179,55 +307,59 @@ class Exporter:
         if len(queue) == self._max_batch:
             self._wake.set()
 
+    def export_now(self) -> None:
+        """Export what is queued without waiting for the schedule delay."""
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing being exported."""
+        return not self._queue and not self._exporting
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Send what is queued, then stop the thread."""
+        """Send what is queued, then stop the thread and the encoding process."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
-        self._session.close()
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait(self._delay_s)
-            self._wake.clear()
-            stopping = self._stopping
-            while self._queue:
-                batch = [self._queue.popleft()
-                         for _ in range(min(self._max_batch, len(self._queue)))]
-                self._export(batch, retry=not stopping)
-            if self.num_dropped:
-                self._warn(f"{self.num_dropped} spans dropped: the export queue "
-                           f"(OTEL_BSP_MAX_QUEUE_SIZE={self._max_queue}) was full")
-                self.num_dropped = 0
-            if stopping:
-                return
+        try:
+            while True:
+                self._wake.wait(self._delay_s)
+                self._wake.clear()
+                stopping = self._stopping
+                self._exporting = True
+                while self._queue:
+                    batch = [self._queue.popleft()
+                             for _ in range(min(self._max_batch, len(self._queue)))]
+                    self._export(batch, retry=not stopping)
+                self._exporting = False
+                if self.num_dropped:
+                    self._warn(f"{self.num_dropped} spans dropped: the export queue "
+                               f"(OTEL_BSP_MAX_QUEUE_SIZE={self._max_queue}) was full")
+                    self.num_dropped = 0
+                if stopping:
+                    return
+        finally:
+            self._exporting = False
+            if self._poster is not None:
+                self._poster.close()
 
     def _export(self, batch: list[Finished], retry: bool) -> None:
         try:
-            data = encode(batch, self._resource, self._scope)
-        except Exception:
-            log.exception("%d spans could not be encoded; dropped", len(batch))
-            return
-        if self._gzip:
-            data = gzip.compress(data)
-        backoff = 0.5
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            try:
-                resp = self._session.post(self.endpoint, data=data, headers=self._headers,
-                                          timeout=self._timeout_s)
-                if resp.ok:
-                    self.num_exported += len(batch)
-                    return
-                why = f"HTTP {resp.status_code}"
-                again = resp.status_code in _RETRY_STATUS
-            except requests.RequestException as exc:
-                why, again = f"{type(exc).__name__}: {exc}", True
-            if not (retry and again) or time.monotonic() + backoff > deadline:
-                self._warn(f"{len(batch)} spans not exported to {self.endpoint}: {why}")
-                return
-            time.sleep(backoff)
-            backoff *= 2
+            if self._poster is None:
+                self._poster = _EncodingProcess(self.options)
+            why = self._poster.post(batch, retry)
+        except (OSError, EOFError, pickle.PicklingError) as exc:
+            # The encoding process is gone (killed, say): the next batch starts another.
+            if self._poster is not None:
+                self._poster.close(timeout_s=1)
+            self._poster = None
+            why = f"{len(batch)} spans not exported: the encoding process failed ({exc!r})"
+        if why is None:
+            self.num_exported += len(batch)
+        else:
+            self._warn(why)
 
     def _warn(self, message: str) -> None:
         """At most one warning a minute: a collector that is away is said once."""
@@ -235,3 +367,7 @@ class Exporter:
         if now - self._warned_at >= 60:
             self._warned_at = now
             log.warning("%s", message)
+
+
+if __name__ == "__main__":
+    _serve_pipe()

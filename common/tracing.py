@@ -284,6 +284,11 @@ class Tracing:
                                     span.trace_state, span.name, span.kind, span.start_ns,
                                     max(span.start_ns, _ns(end)), merged, (), (), error))
 
+    @property
+    def exporter(self) -> Any:
+        """The OTLP exporter (`common.otlp.Exporter`); None when tracing is off."""
+        return self._exporter
+
     def shutdown(self) -> None:
         """Export what is still queued and stop (blocking: call it off the event loop)."""
         if self._exporter is not None:

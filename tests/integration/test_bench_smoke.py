@@ -54,6 +54,8 @@ EXPECTED: dict[str, list[str]] = {
         "baseline_in_process_ttft.p50", "baseline_in_process_end_to_end.p99",
         "added_by_kafka.ttft_p50", "added_by_kafka.ttft_p99", "added_by_kafka.end_to_end_p50",
         "limits.two_hop_floor_p50", "ratios.ttft_p50_kafka_over_in_process",
+        "tracing.ratios.ttft_p50_on_over_off", "tracing.ratios.bulk_tokens_s_on_over_off",
+        "tracing.spans_exported",
     ],
     "bulk": [
         "kafka_run_batch.requests_per_s", "kafka_run_batch.completion_tokens_per_s",
