@@ -204,6 +204,30 @@ async def bench_kafka(served: Served, device: str,
     return results, {"in-process": local["ttft"], "kafka": remote["ttft"]}
 
 
+async def _alternating(served: Served, models: dict[str, str], prompts: list[list[int]],
+                       max_tokens: int, tag: str) -> dict[str, dict[str, list[float]]]:
+    """The same requests to each of `models`, one at a time, alternating request by
+    request: TTFT and end to end (ms) per mode."""
+    lat: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "e2e": []} for m in models}
+    for i, prompt in enumerate(prompts):
+        for mode, model in models.items():
+            ttft, e2e, _ = await _through_kafka(served, f"{tag}-{mode}-{i}", prompt,
+                                                max_tokens, model)
+            lat[mode]["ttft"].append(ttft)
+            lat[mode]["e2e"].append(e2e)
+    return lat
+
+
+def _bulk_file(folder: Path, served: Served, count: int, max_tokens: int, seed: int) -> Path:
+    """A `sluice batch` input of `count` generated prompts, greedy."""
+    lines = [{"custom_id": f"b{i}", "body": {"prompt_token_ids": p, "max_tokens": max_tokens,
+                                             "temperature": 0.0}}
+             for i, p in enumerate(_prompts(count, _vocab(served.model_dir), seed))]
+    path = folder / "in.jsonl"
+    path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+    return path
+
+
 async def _exactly_once_cost(served: Served, device: str, quick: bool,
                              prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """The same requests to the at-least-once model and to a twin in exactly-once
@@ -212,25 +236,14 @@ async def _exactly_once_cost(served: Served, device: str, quick: bool,
     from bench.served import twin_model
     from sluice.batch import run_batch
 
-    lat: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "e2e": []}
-                                              for m in ("at_least_once", "exactly_once")}
-    bulk: dict[str, list[tuple[float, int]]] = {m: [] for m in lat}
+    bulk: dict[str, list[tuple[float, int]]] = {m: [] for m in ("at_least_once",
+                                                                 "exactly_once")}
     num_bulk, concurrency = (96, 32) if quick else (256, 64)
     async with twin_model(served, f"{MODEL}-eo", device, delivery="exactly_once") as twin:
         models = {"at_least_once": MODEL, "exactly_once": twin}
-        for i, prompt in enumerate(prompts):
-            for mode, model in models.items():
-                ttft, e2e, _ = await _through_kafka(served, f"eo-{mode}-{i}", prompt,
-                                                    max_tokens, model)
-                lat[mode]["ttft"].append(ttft)
-                lat[mode]["e2e"].append(e2e)
-        lines = [{"custom_id": f"e{i}", "body": {"prompt_token_ids": p,
-                                                  "max_tokens": max_tokens,
-                                                  "temperature": 0.0}}
-                 for i, p in enumerate(_prompts(num_bulk, _vocab(served.model_dir), 31))]
+        lat = await _alternating(served, models, prompts, max_tokens, "eo")
         with tempfile.TemporaryDirectory() as tmp:
-            in_path = Path(tmp) / "in.jsonl"
-            in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+            in_path = _bulk_file(Path(tmp), served, num_bulk, max_tokens, 31)
             for r in range(1 if quick else 2):
                 for mode, model in models.items():
                     summary = await run_batch(served.client, in_path,
@@ -311,7 +324,6 @@ async def _tracing_cost(served: Served, device: str, quick: bool,
 
     num_bulk, concurrency, cycles = (96, 32, 1) if quick else (512, 64, 3)
     modes = ("off", "on")
-    lat: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "e2e": []} for m in modes}
     bulk: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
     async with _otlp_sink() as endpoint:
         traced = Tracing.from_env("sluice-bench-worker", {
@@ -324,20 +336,10 @@ async def _tracing_cost(served: Served, device: str, quick: bool,
                     twin_model(served, f"{MODEL}-traced", device, tracing=traced) as twin):
             models = {"off": plain, "on": twin}
             await _exported(traced)
-            for i, prompt in enumerate(prompts):
-                for mode, model in models.items():
-                    ttft, e2e, _ = await _through_kafka(served, f"tr-{mode}-{i}", prompt,
-                                                        max_tokens, model)
-                    lat[mode]["ttft"].append(ttft)
-                    lat[mode]["e2e"].append(e2e)
+            lat = await _alternating(served, models, prompts, max_tokens, "tr")
             await _exported(traced)
-            lines = [{"custom_id": f"t{i}", "body": {"prompt_token_ids": p,
-                                                      "max_tokens": max_tokens,
-                                                      "temperature": 0.0}}
-                     for i, p in enumerate(_prompts(num_bulk, _vocab(served.model_dir), 37))]
             with tempfile.TemporaryDirectory() as tmp:
-                in_path = Path(tmp) / "in.jsonl"
-                in_path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+                in_path = _bulk_file(Path(tmp), served, num_bulk, max_tokens, 37)
                 for r, mode in enumerate(["off", "on", "on", "off"] * cycles):
                     summary = await run_batch(served.client, in_path,
                                               Path(tmp) / f"out-{mode}-{r}.jsonl",
