@@ -7,22 +7,18 @@ rows to sample.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
-import math
-import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from gpu_runtime.compiled import CompiledStep
 from gpu_runtime.context import LoraBatch, PrefillChunk, StepContext
 from gpu_runtime.cpu_decode import NativeDecoder
+from gpu_runtime.host_memory import zeroed
 from gpu_runtime.model import CausalLM
 
 
@@ -34,33 +30,6 @@ class ScheduledSeq:
     num_computed: int  # tokens already in the cache before this step
     block_table: list[int]
     lora_slot: int = -1  # adapter slot of every row of this sequence; -1 = base model
-
-
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU its pages come zeroed from the kernel as they are first
-    touched (anonymous memory), instead of being written once up front: a KV cache of a
-    few GB costs nothing at start-up (torch.zeros spent 2.4 s of a SmolLM2 load on it).
-    The mapping asks for transparent huge pages (`madvise`; honoured where THP is
-    `always` or `madvise`): a decode step writes each sequence's next slot in every
-    layer, and with 4 KiB pages every few tokens of every sequence met a first-touch
-    fault (measured: 2.8-4.0 ms of a 16-29 ms step of 8 sequences on SmolLM2), where a
-    2 MiB page faults 512 times less often."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if num_bytes < HUGE_PAGE:
-        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
-    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError, AttributeError):  # no THP here: 4 KiB pages then
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    offset = (-address) % HUGE_PAGE  # the tensor starts on a huge page's boundary
-    # The tensor holds the mapping (a buffer export) for as long as it lives.
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes,
-                            offset=offset).view(dtype).view(shape)
 
 
 def _triton_available() -> bool:

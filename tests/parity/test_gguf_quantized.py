@@ -214,3 +214,10 @@ def test_weights_held_are_close_to_the_file_size(files, name) -> None:
     size = files[name].stat().st_size
     assert held / size <= 1.15, f"{name}: {held / 1e6:.1f} MB held for a {size / 1e6:.1f} MB file"
     assert rt.memory_plan.weight_bytes >= held  # the planner counts at least what is held
+    # the native decoder moved every quantized projection's bytes into its huge-page
+    # arena (no second copy): the prefill products read them there too
+    decoder = rt.runner.native_decoder
+    assert decoder is not None
+    layers = [m for m in rt.runner.model.modules() if isinstance(m, quantized.QuantizedLinear)]
+    assert layers and all(decoder.arena.holds(m.packed) for m in layers)
+    assert decoder.extra_bytes == 0

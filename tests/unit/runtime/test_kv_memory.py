@@ -1,4 +1,4 @@
-"""The CPU KV cache's memory (`runner.zeroed`): zeros, laid out on huge-page
+"""The CPU KV cache's memory (`host_memory.zeroed`): zeros, laid out on huge-page
 boundaries, lazily backed, and alive as long as the tensor is."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_runtime.runner import HUGE_PAGE, zeroed
+from gpu_runtime.host_memory import HUGE_PAGE, zeroed
 
 
 def _anon_huge_kib() -> int:
