@@ -6,7 +6,7 @@ kernels (`native/decode_quant.c`: blocks of 32 output rows, each one stream, the
 weights' bytes then their scales), which multiply by it directly, in the decode
 kernel's one call over every layer and, for prefill chunks and larger steps, through
 `QuantizedLinear` (the same products, up to 4,096 rows a call). The layout holds the
-same bits as the file (Q8_0 and Q5_0 its size; the K-quants' 6-bit scales are kept a
+same bits as the file (Q8_0, Q5_0 and Q6_K its size; the K-quants' 6-bit scales are kept a
 byte each, Q4_0/Q4_1's scales as the K-quants' are: a few % more), and nothing else is
 held: no float copy of any projection.
 
@@ -131,15 +131,23 @@ def pack(u: Unpacked) -> np.ndarray:
     nb = rows // BLOCK_ROWS
     q = np.zeros((rows, k), np.uint8)
     q[:n] = u.q
-    if u.fmt in ("Q8_0", "Q6_K"):
+    if u.fmt == "Q8_0":
         weights = q.reshape(nb, BLOCK_ROWS, k // 4, 4).transpose(0, 2, 1, 3)
         parts = [weights, _blocks(u.d, rows)]
-        if u.fmt == "Q6_K":
-            parts.append(_blocks(u.sc, rows))
         return np.concatenate([np.ascontiguousarray(p).reshape(nb, -1) for p in parts], axis=1)
     low = q & 0x0F
     halves = low.reshape(nb, BLOCK_ROWS, k // 8, 2, 4)
     weights = (halves[..., 0, :] | (halves[..., 1, :] << 4)).transpose(0, 2, 1, 3)
+    if u.fmt == "Q6_K":
+        # per 8 inputs: the 128 bytes of low bits, then 64 of high bit pairs: byte b holds
+        # those of byte b of the rows 0-15 and rows 16-31 vectors, low and high nibble
+        pairs = (q >> 4).reshape(nb, 2, 16, k // 8, 2, 4).transpose(0, 3, 2, 5, 1, 4)
+        shifts = np.array([[0, 2], [4, 6]], np.uint8)  # [row half][nibble]
+        plane = (pairs << shifts).sum(axis=(-2, -1), dtype=np.uint8)  # [nb, k/8, 16, 4]
+        steps = np.concatenate([weights.reshape(nb, k // 8, 128), plane.reshape(nb, k // 8, 64)],
+                               axis=-1)
+        parts = [steps, _blocks(u.d, rows), _blocks(u.sc, rows)]
+        return np.concatenate([np.ascontiguousarray(p).reshape(nb, -1) for p in parts], axis=1)
     if u.fmt == "Q5_0":
         # the fifth bits: per 8 inputs, one 64-bit mask per 64 bytes of low bits as the
         # kernel loads them (16 rows x 4 inputs), bit i for byte i

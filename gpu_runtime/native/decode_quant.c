@@ -15,7 +15,7 @@
    The weights are laid out for this kernel at load (gpu_runtime/quantized.py): blocks of
    32 output rows, each one contiguous stream split between threads by blocks, as the
    float products'. A block is its weight bytes, then its scales:
-     8-bit (Q8_0, Q6_K): [K/4][32][4] bytes, byte j of a row's 4 at k = 4g + j;
+     8-bit (Q8_0): [K/4][32][4] bytes, byte j of a row's 4 at k = 4g + j;
      4-bit (Q4_K, Q4_0, Q4_1): [K/8][32][4] bytes, the low nibble of byte j at k = 8g + j
        and the high one at k = 8g + 4 + j (one load: both halves of 8 values);
      Q8_0: d [K/32][32] float16;
@@ -23,7 +23,11 @@
        64-bit masks, one per 64 bytes of low bits in register order (the block's rows
        0-15 or 16-31, the low or high nibbles), then d [K/32][32] float16 (value
        d * (q - 16)): the file's 5.5 bits a weight;
-     Q6_K: d [K/256][32] float16, then sc [K/16][32] int8 (value d * sc * (q - 32));
+     Q6_K: per 8 inputs the 4-bit formats' 128 bytes of low bits, then 64 bytes of high
+       bit pairs (byte b: the pairs of the weights in byte b of each 64 bytes before it,
+       rows 0-15's low and high nibble at bits 0-1 and 2-3, rows 16-31's at 4-5 and 6-7):
+       192 bytes a step, the file's 6 bits a weight in one stream; then d [K/256][32]
+       float16, then sc [K/16][32] int8 (value d * sc * (q - 32));
      Q4_K: d [K/256][32] and dmin [K/256][32] float16, then sc [K/32][32] and m [K/32][32]
        uint8 (value d * sc * q - dmin * m); Q4_0 and Q4_1 the same with 32 for 256
        (Q4_0: sc 1, m 8, dmin d; Q4_1: sc 1, m 1, dmin -min).
@@ -80,6 +84,18 @@ static inline vq vq_dot_signed(vq acc, vq w, vq x) {
     return vq_dot(acc, _mm512_abs_epi8(x), _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w));
 }
 static inline vq vq_flip(vq v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
+static inline vq vq_or(vq a, vq b) { return _mm512_or_si512(a, b); }
+/* Q6_K's high bit pairs of one of a step's four nibble vectors (which: 0 rows 0-15 low
+   nibbles, 1 their high nibbles, 2 and 3 rows 16-31's), moved to bits 4-5 of each byte */
+static inline vq vq_high2(vq h, const int which) {
+    const __m512i m = _mm512_set1_epi8(0x30);
+    switch (which) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), m);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), m);
+    case 2: return _mm512_and_si512(h, m);
+    default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
+    }
+}
 /* v with 16 added to each byte whose bit is set in mask (Q5_0's fifth bits) */
 static inline vq vq_fifth(vq v, uint64_t mask) {
     return _mm512_or_si512(v, _mm512_maskz_mov_epi8((__mmask64)mask, _mm512_set1_epi8(0x10)));
@@ -126,6 +142,17 @@ static inline vq vq_flip(vq v) {
     const __m256i m = _mm256_set1_epi8((char)0x80);
     return (vq){_mm256_xor_si256(v.lo, m), _mm256_xor_si256(v.hi, m)};
 }
+static inline vq vq_or(vq a, vq b) { return (vq){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+static inline __m256i high2_8(__m256i h, const int which) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (which) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+    }
+}
+static inline vq vq_high2(vq h, const int which) { return (vq){high2_8(h.lo, which), high2_8(h.hi, which)}; }
 /* 0x10 in each byte whose bit of m is set (32 bits: a byte each, in order) */
 static inline __m256i fifth8(uint32_t m) {
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), _mm256_setr_epi64x(
@@ -316,33 +343,42 @@ qcols_5(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, v
     }
 }
 
-/* Q6_K: 8-bit weights q + 32 (0..63), d per 256 inputs and an int8 scale per 16. */
+/* Q6_K: 6-bit weights q + 32 (0..63) as 4-bit nibbles and a plane of high bit pairs,
+   interleaved per step of 8 inputs (192 bytes: one stream); d per 256 inputs and an int8
+   scale per 16. */
 static inline __attribute__((always_inline)) void
 qcols_6k(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, vf out[2][ROW_GROUP])
 {
-    const uint16_t *d = (const uint16_t *)(wb + 32 * K);            /* [K/256][32] */
-    const int8_t *sc = (const int8_t *)(wb + 32 * K + (K / 256) * 64);  /* [K/16][32] */
+    const uint16_t *d = (const uint16_t *)(wb + 24 * K);                /* [K/256][32] */
+    const int8_t *sc = (const int8_t *)(wb + 24 * K + (K / 256) * 64);  /* [K/16][32] */
     for (int c = 0; c < 2; c++)
         for (int m = 0; m < M; m++) out[c][m] = vf_zero();
+    vf d0 = vf_zero(), d1 = vf_zero();
     for (int64_t g = 0; g < K / 16; g++) {
+        if (g % 16 == 0) {  /* a new super-block */
+            d0 = vf_from_f16(d + (g / 16) * 32);
+            d1 = vf_from_f16(d + (g / 16) * 32 + 16);
+        }
         vq acc[2][QROW_GROUP];
         for (int c = 0; c < 2; c++)
             for (int m = 0; m < M; m++) acc[c][m] = vq_zero();
-        const uint8_t *w = wb + g * 16 * 32;
-        for (int step = 0; step < 4; step++) {
-            const uint8_t *ws = w + step * 128;
+        const uint8_t *w = wb + g * 2 * 192;
+        for (int step = 0; step < 2; step++) {  /* 8 inputs a step */
+            const uint8_t *ws = w + step * 192;
             _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
             _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
-            const vq w0 = vq_load(ws), w1 = vq_load(ws + 64);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 128), _MM_HINT_T0);
+            const vq v0 = vq_load(ws), v1 = vq_load(ws + 64), h = vq_load(ws + 128);
+            const vq lo0 = vq_or(vq_lo4(v0), vq_high2(h, 0)), hi0 = vq_or(vq_hi4(v0), vq_high2(h, 1));
+            const vq lo1 = vq_or(vq_lo4(v1), vq_high2(h, 2)), hi1 = vq_or(vq_hi4(v1), vq_high2(h, 3));
             for (int m = 0; m < M; m++) {
-                const vq xb = vq_bcast(a->q + (m0 + m) * K + g * 16 + step * 4);
-                acc[0][m] = vq_dot(acc[0][m], w0, xb);
-                acc[1][m] = vq_dot(acc[1][m], w1, xb);
+                const int8_t *xq = a->q + (m0 + m) * K + g * 16 + step * 8;
+                const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
+                acc[0][m] = vq_dot(vq_dot(acc[0][m], lo0, xl), hi0, xh);
+                acc[1][m] = vq_dot(vq_dot(acc[1][m], lo1, xl), hi1, xh);
             }
         }
-        const int64_t sb = g / 16;
-        const vf s0 = vf_mul(vf_from_f16(d + sb * 32), vf_from_i8(sc + g * 32));
-        const vf s1 = vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_i8(sc + g * 32 + 16));
+        const vf s0 = vf_mul(d0, vf_from_i8(sc + g * 32)), s1 = vf_mul(d1, vf_from_i8(sc + g * 32 + 16));
         for (int m = 0; m < M; m++) {
             const int64_t row = m0 + m;
             const int32_t shift = 32 * a->sum16[row * (K / 16) + g];
@@ -413,7 +449,7 @@ static inline int64_t qblock_bytes(int64_t qtype, int64_t K)
     switch (qtype) {
     case Q8_0: return 32 * K + (K / 32) * 64;
     case Q5_0: return 16 * K + 4 * K + (K / 32) * 64;
-    case Q6_K: return 32 * K + (K / 256) * 64 + (K / 16) * 32;
+    case Q6_K: return 24 * K + (K / 256) * 64 + (K / 16) * 32;
     case Q4_K: return 16 * K + (K / 256) * 128 + (K / 32) * 64;
     case Q4_32: return 16 * K + (K / 32) * 128 + (K / 32) * 64;
     default: return 0;
@@ -480,15 +516,22 @@ static void dequantize_row(const sluice_proj *p, int64_t r, float *out)
         }
         return;
     }
-    if (p->qtype == Q8_0 || p->qtype == Q6_K) {
-        const int offset = p->qtype == Q8_0 ? 128 : 32;
+    if (p->qtype == Q8_0) {
         const uint16_t *d = (const uint16_t *)(wb + 32 * K);
-        const int8_t *sc = (const int8_t *)(wb + 32 * K + (K / 256) * 64);
+        for (int64_t k = 0; k < K; k++)
+            out[k] = f16_to_f32(d[(k / 32) * 32 + j]) * (float)((int)wb[(k / 4) * 128 + j * 4 + k % 4] - 128);
+        return;
+    }
+    if (p->qtype == Q6_K) {
+        const uint16_t *d = (const uint16_t *)(wb + 24 * K);
+        const int8_t *sc = (const int8_t *)(wb + 24 * K + (K / 256) * 64);
         for (int64_t k = 0; k < K; k++) {
-            const int q = (int)wb[(k / 4) * 128 + j * 4 + k % 4] - offset;
-            const float scale = p->qtype == Q6_K ? f16_to_f32(d[(k / 256) * 32 + j]) * (float)sc[(k / 16) * 32 + j]
-                                                 : f16_to_f32(d[(k / 32) * 32 + j]);
-            out[k] = scale * (float)q;
+            const uint8_t *step = wb + (k / 8) * 192;
+            const int nibble_high = k % 8 >= 4;
+            const uint8_t byte = step[j * 4 + k % 4];
+            const int pair = (step[128 + (j % 16) * 4 + k % 4] >> (2 * nibble_high + 4 * (j / 16))) & 3;
+            const int q = (nibble_high ? byte >> 4 : byte & 15) | pair << 4;
+            out[k] = f16_to_f32(d[(k / 256) * 32 + j]) * (float)sc[(k / 16) * 32 + j] * (float)(q - 32);
         }
         return;
     }
