@@ -125,7 +125,8 @@ def _blocks(a: np.ndarray, rows: int) -> np.ndarray:
 
 
 def pack(u: Unpacked) -> np.ndarray:
-    """The kernel's layout of `u` (decode_quant.c's header): [blocks, block bytes] uint8."""
+    """The kernel's layout of `u` (decode_quant.c's header): [blocks, block bytes] uint8.
+    numpy's reference for the native packer (`pack_native`), which loads use."""
     n, k = u.q.shape
     rows = -(-n // BLOCK_ROWS) * BLOCK_ROWS
     nb = rows // BLOCK_ROWS
@@ -141,11 +142,12 @@ def pack(u: Unpacked) -> np.ndarray:
     if u.fmt == "Q6_K":
         # per 8 inputs: the 128 bytes of low bits, then 64 of high bit pairs: byte b holds
         # those of byte b of the rows 0-15 and rows 16-31 vectors, low and high nibble
-        pairs = (q >> 4).reshape(nb, 2, 16, k // 8, 2, 4).transpose(0, 3, 2, 5, 1, 4)
-        shifts = np.array([[0, 2], [4, 6]], np.uint8)  # [row half][nibble]
-        plane = (pairs << shifts).sum(axis=(-2, -1), dtype=np.uint8)  # [nb, k/8, 16, 4]
-        steps = np.concatenate([weights.reshape(nb, k // 8, 128), plane.reshape(nb, k // 8, 64)],
-                               axis=-1)
+        pairs = (q >> 4).reshape(nb, 2, 16, k // 8, 2, 4)  # [row half, row, step, nibble, j]
+        plane = (pairs[:, 0, :, :, 0] | pairs[:, 0, :, :, 1] << 2
+                 | pairs[:, 1, :, :, 0] << 4 | pairs[:, 1, :, :, 1] << 6)  # [nb, 16, k/8, 4]
+        steps = np.empty((nb, k // 8, 192), np.uint8)
+        steps[..., :128] = weights.reshape(nb, k // 8, 128)
+        steps[..., 128:] = plane.transpose(0, 2, 1, 3).reshape(nb, k // 8, 64)
         parts = [steps, _blocks(u.d, rows), _blocks(u.sc, rows)]
         return np.concatenate([np.ascontiguousarray(p).reshape(nb, -1) for p in parts], axis=1)
     if u.fmt == "Q5_0":
@@ -158,6 +160,23 @@ def pack(u: Unpacked) -> np.ndarray:
         parts = [weights, _blocks(u.d, rows), _blocks(u.dmin, rows), _blocks(u.sc, rows),
                  _blocks(u.mins, rows)]
     return np.concatenate([np.ascontiguousarray(p).reshape(nb, -1) for p in parts], axis=1)
+
+
+def pack_native(u: Unpacked) -> np.ndarray:
+    """`pack(u)` by the native library (decode_quant.c's pack_block), on the runtime's
+    threads: numpy's strided shuffles took ~3 s of a 1B-class Q4_K_M file's load."""
+    lib = _kernel()
+    n, k = u.q.shape
+    qtype = KERNEL_QTYPES[u.fmt]
+    bytes_per_block = lib.sluice_qblock_bytes(qtype, k)
+    out = np.empty((-(-n // BLOCK_ROWS), bytes_per_block), np.uint8)
+    arrays = [np.ascontiguousarray(a) if a is not None else None
+              for a in (u.q, u.d, u.dmin, u.sc, u.mins)]
+    pointers = [a.ctypes.data if a is not None else None for a in arrays]
+    if bytes_per_block == 0 or lib.sluice_pack(qtype, n, k, *pointers, out.ctypes.data,
+                                               torch.get_num_threads()) != 0:
+        raise QuantizedWeightError(f"{u.fmt} [{n}, {k}]: the kernel does not take this shape")
+    return out
 
 
 def requantize_q8_0(weight: np.ndarray) -> Unpacked:
@@ -194,6 +213,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sluice_dequantize_rows.argtypes = [ctypes.POINTER(Proj), ctypes.c_void_p,
                                            ctypes.c_int64, ctypes.c_void_p]
     lib.sluice_quant_vnni.restype = ctypes.c_int
+    lib.sluice_pack.restype = ctypes.c_int
+    lib.sluice_pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                *[ctypes.c_void_p] * 6, ctypes.c_int]
     lib._sluice_quant_bound = True
     return lib
 
@@ -211,7 +233,7 @@ class QuantizedLinear(nn.Module):
         self.fmt = u.fmt
         self.qtype = KERNEL_QTYPES[u.fmt]
         self.in_features, self.out_features = in_features, out_features
-        blocks = pack(u)
+        blocks = pack_native(u)
         expected = _kernel().sluice_qblock_bytes(self.qtype, in_features)
         if blocks.shape[1] != expected:
             raise QuantizedWeightError(

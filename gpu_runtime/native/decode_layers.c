@@ -310,6 +310,23 @@ void sluice_dequantize_rows(const sluice_proj *p, const int64_t *ids, int64_t n,
     for (int64_t i = 0; i < n; i++) dequantize_row(p, ids[i], out + i * p->in_features);
 }
 
+/* The kernel's layout of an N x K weight of qtype from its values q [N][K] (uint8, as
+   quantized.Unpacked holds them) and scales: d [N][K/super] and dmin (4-bit formats)
+   [N][K/super] float16, sc [N][K/16] int8 (Q6_K) or [N][K/32] uint8, mins [N][K/32]
+   uint8; into out [ceil(N/32)][sluice_qblock_bytes] (blocks shared out between
+   threads). Returns 0, or -1 for a qtype or width the kernel does not take. */
+int sluice_pack(int64_t qtype, int64_t N, int64_t K, const uint8_t *q, const uint8_t *d,
+                const uint8_t *dmin, const uint8_t *sc, const uint8_t *mins, uint8_t *out,
+                int num_threads)
+{
+    if (qtype < Q8_0 || qtype > Q4_32 || !qtype_fits(qtype, K) || N < 1) return -1;
+    const int64_t blocks = (N + COLS - 1) / COLS, bytes = qblock_bytes(qtype, K);
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++)
+        pack_block(qtype, N, K, q, d, dmin, sc, mins, blk, out + blk * bytes);
+    return 0;
+}
+
 /* Whether the quantized products use AVX512-VNNI (1) or vpmaddubsw (0). */
 int sluice_quant_vnni(void) { return Q_VNNI; }
 

@@ -546,3 +546,76 @@ static void dequantize_row(const sluice_proj *p, int64_t r, float *out)
                  - f16_to_f32(dmin[sb * 32 + j]) * (float)mins[g * 32 + j];
     }
 }
+
+/* ---- the layout, made at load (quantized.pack is the same in numpy, the tests'
+   reference): from a weight's values q [N][K] (the format's values as Unpacked holds
+   them) and its scales, rows past N zero ---- */
+
+static inline uint8_t q_at(const uint8_t *q, int64_t N, int64_t K, int64_t n, int64_t k)
+{
+    return n < N ? q[n * K + k] : 0;
+}
+
+/* per-row values [N][G] (elem bytes each) -> [G][32] of block blk */
+static void pack_scales(uint8_t *o, const uint8_t *src, int64_t elem, int64_t G, int64_t N, int64_t blk)
+{
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t r = 0; r < COLS; r++) {
+            const int64_t n = blk * COLS + r;
+            for (int64_t b = 0; b < elem; b++)
+                o[(g * COLS + r) * elem + b] = n < N ? src[(n * G + g) * elem + b] : 0;
+        }
+}
+
+static void pack_block(int64_t qtype, int64_t N, int64_t K, const uint8_t *q, const uint8_t *d,
+                       const uint8_t *dmin, const uint8_t *sc, const uint8_t *mins, int64_t blk,
+                       uint8_t *o)
+{
+    if (qtype == Q8_0) {
+        for (int64_t r = 0; r < COLS; r++)
+            for (int64_t k = 0; k < K; k++) o[(k / 4) * 128 + r * 4 + k % 4] = q_at(q, N, K, blk * COLS + r, k);
+        pack_scales(o + 32 * K, d, 2, K / 32, N, blk);
+        return;
+    }
+    const int64_t stride = qtype == Q6_K ? 192 : 128;  /* bytes a step of 8 inputs */
+    for (int64_t r = 0; r < COLS; r++) {
+        const int64_t n = blk * COLS + r;
+        for (int64_t s = 0; s < K / 8; s++)
+            for (int64_t j = 0; j < 4; j++)
+                o[s * stride + r * 4 + j] = (uint8_t)((q_at(q, N, K, n, 8 * s + j) & 15)
+                                                      | (q_at(q, N, K, n, 8 * s + 4 + j) & 15) << 4);
+    }
+    if (qtype == Q5_0) {
+        uint64_t *fifth = (uint64_t *)(o + 16 * K);  /* [K/8][2 row halves][2 nibbles] */
+        for (int64_t s = 0; s < K / 8; s++)
+            for (int64_t h = 0; h < 2; h++)
+                for (int64_t half = 0; half < 2; half++) {
+                    uint64_t mask = 0;
+                    for (int64_t i = 0; i < 64; i++) {
+                        const int64_t n = blk * COLS + h * 16 + i / 4;
+                        mask |= (uint64_t)((q_at(q, N, K, n, 8 * s + 4 * half + i % 4) >> 4) & 1) << i;
+                    }
+                    fifth[s * 4 + h * 2 + half] = mask;
+                }
+        pack_scales(o + 20 * K, d, 2, K / 32, N, blk);
+        return;
+    }
+    if (qtype == Q6_K) {
+        for (int64_t s = 0; s < K / 8; s++)
+            for (int64_t b = 0; b < 64; b++) {
+                const int64_t n = blk * COLS + b / 4, k = 8 * s + b % 4;
+                o[s * 192 + 128 + b] = (uint8_t)(((q_at(q, N, K, n, k) >> 4) & 3)
+                                                 | ((q_at(q, N, K, n, k + 4) >> 4) & 3) << 2
+                                                 | ((q_at(q, N, K, n + 16, k) >> 4) & 3) << 4
+                                                 | ((q_at(q, N, K, n + 16, k + 4) >> 4) & 3) << 6);
+            }
+        pack_scales(o + 24 * K, d, 2, K / 256, N, blk);
+        pack_scales(o + 24 * K + (K / 256) * 64, sc, 1, K / 16, N, blk);
+        return;
+    }
+    const int64_t supers = K / (qtype == Q4_K ? 256 : 32);
+    pack_scales(o + 16 * K, d, 2, supers, N, blk);
+    pack_scales(o + 16 * K + supers * 64, dmin, 2, supers, N, blk);
+    pack_scales(o + 16 * K + supers * 128, sc, 1, K / 32, N, blk);
+    pack_scales(o + 16 * K + supers * 128 + (K / 32) * 32, mins, 1, K / 32, N, blk);
+}

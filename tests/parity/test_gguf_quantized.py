@@ -87,6 +87,14 @@ def test_unpacking_reads_each_format_as_the_gguf_package_does(fmt: str) -> None:
     assert torch.equal(layer.dequantize(), _dequantized(fmt, raw, n, k))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_native_packer_lays_out_what_numpy_does(fmt: str) -> None:
+    # the layout a QuantizedLinear holds (pack_native) against numpy's reference (pack)
+    n, k = 70, 512  # a block with rows past n: zeros in both
+    unpacked = quantized.unpack(fmt, _raw(fmt, n, k, np.random.default_rng(2)), k)
+    assert np.array_equal(quantized.pack_native(unpacked), quantized.pack(unpacked))
+
+
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx512", "avx2"])
 def test_each_build_multiplies_exactly_as_integer_arithmetic(isa: str, monkeypatch) -> None:
     if isa not in cpu_attention.runnable_isas():
