@@ -42,6 +42,10 @@ enum { Q_FLOAT = 0, Q8_0 = 1, Q5_0 = 2, Q6_K = 3, Q4_K = 4, Q4_32 = 5 };
 #ifndef Q_AHEAD
 #define Q_AHEAD 2048  /* bytes a block's weight stream is prefetched ahead */
 #endif
+/* Into L2, not L1: the weight stream then read 11-34 % faster (Q4_K 17-27 %; products over
+   12 x [8192, 2048], 2 threads, huge pages, paired runs): L1 prefetches hold the few
+   line-fill buffers the loads need too */
+#define Q_HINT _MM_HINT_T1
 #ifndef Q4_SPLIT_ROWS
 #define Q4_SPLIT_ROWS 2  /* 1B-class Q4_K_M, batch 1, paired A/B: 30.7 against 28.6 tok/s */
 #endif
@@ -250,8 +254,8 @@ qcols_8(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int offset, co
         const uint8_t *w = wb + g * 32 * 32;
         for (int step = 0; step < 8; step++) {  /* 4 inputs a step */
             const uint8_t *ws = w + step * 128;
-            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD), Q_HINT);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), Q_HINT);
             vq w0 = vq_load(ws), w1 = vq_load(ws + 64);
             if (signed_path) { w0 = vq_flip(w0); w1 = vq_flip(w1); }
             for (int m = 0; m < M; m++) {
@@ -294,8 +298,8 @@ nibble_group(const qacts *a, int64_t m0, int64_t K, int64_t g, const uint8_t *wb
     const uint8_t *w = wb + g * 16 * 32;
     for (int step = 0; step < 4; step++) {  /* 8 inputs a step */
         const uint8_t *ws = w + step * 128;
-        _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ws + Q_AHEAD), Q_HINT);
+        _mm_prefetch((const char *)(ws + Q_AHEAD + 64), Q_HINT);
         const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
         vq lo0 = vq_lo4(v0), hi0 = vq_hi4(v0), lo1 = vq_lo4(v1), hi1 = vq_hi4(v1);
         if (fifth) {  /* rows 0-15 low, high; rows 16-31 low, high */
@@ -365,9 +369,9 @@ qcols_6k(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, 
         const uint8_t *w = wb + g * 2 * 192;
         for (int step = 0; step < 2; step++) {  /* 8 inputs a step */
             const uint8_t *ws = w + step * 192;
-            _mm_prefetch((const char *)(ws + Q_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ws + Q_AHEAD + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + Q_AHEAD), Q_HINT);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 64), Q_HINT);
+            _mm_prefetch((const char *)(ws + Q_AHEAD + 128), Q_HINT);
             const vq v0 = vq_load(ws), v1 = vq_load(ws + 64), h = vq_load(ws + 128);
             const vq lo0 = vq_or(vq_lo4(v0), vq_high2(h, 0)), hi0 = vq_or(vq_hi4(v0), vq_high2(h, 1));
             const vq lo1 = vq_or(vq_lo4(v1), vq_high2(h, 2)), hi1 = vq_or(vq_hi4(v1), vq_high2(h, 3));
@@ -402,14 +406,17 @@ qcols_4(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int64_t super,
     const uint8_t *mins = sc + (K / 32) * 32;                    /* [K/32][32] */
     for (int c = 0; c < 2; c++)
         for (int m = 0; m < M; m++) out[c][m] = vf_zero();
+    vf d0 = vf_zero(), d1 = vf_zero(), e0 = vf_zero(), e1 = vf_zero();
     for (int64_t g = 0; g < K / 32; g++) {
         vq acc[2][QROW_GROUP];
         nibble_group(a, m0, K, g, wb, NULL, M, acc);
-        const int64_t sb = g * 32 / super;
-        const vf s0 = vf_mul(vf_from_f16(d + sb * 32), vf_from_u8(sc + g * 32));
-        const vf s1 = vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_u8(sc + g * 32 + 16));
-        const vf n0 = vf_mul(vf_from_f16(dmin + sb * 32), vf_from_u8(mins + g * 32));
-        const vf n1 = vf_mul(vf_from_f16(dmin + sb * 32 + 16), vf_from_u8(mins + g * 32 + 16));
+        if ((g * 32) % super == 0) {  /* a new super-block's d and dmin */
+            const int64_t sb = g * 32 / super;
+            d0 = vf_from_f16(d + sb * 32); d1 = vf_from_f16(d + sb * 32 + 16);
+            e0 = vf_from_f16(dmin + sb * 32); e1 = vf_from_f16(dmin + sb * 32 + 16);
+        }
+        const vf s0 = vf_mul(d0, vf_from_u8(sc + g * 32)), s1 = vf_mul(d1, vf_from_u8(sc + g * 32 + 16));
+        const vf n0 = vf_mul(e0, vf_from_u8(mins + g * 32)), n1 = vf_mul(e1, vf_from_u8(mins + g * 32 + 16));
         for (int m = 0; m < M; m++) {
             const int64_t row = m0 + m;
             const float dxs = a->d[row * (K / 32) + g];
