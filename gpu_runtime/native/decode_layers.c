@@ -118,6 +118,21 @@ static void rms_norm(const void *x, const void *weight, void *out, int M, int64_
 #endif
 #define OWN_NORM_WIDTH 8192
 
+/* The RMSNorm before product p into out, ready for it: each thread's own rows
+   (own_norm: out is the thread's buffer), or the rows shared out and a barrier. */
+static void norm_for(const sluice_proj *p, const void *x, const void *weight, void *out, int M,
+                     int64_t dim, float eps, int bf16, int own_norm)
+{
+    if (own_norm) {
+        for (int m = 0; m < M; m++) rms_norm_row(x, weight, out, m, dim, eps, bf16);
+        prefetch_share(p, bf16);
+        return;
+    }
+    rms_norm(x, weight, out, M, dim, eps, bf16);
+    prefetch_share(p, bf16);
+    #pragma omp barrier
+}
+
 /* RoPE on each row's q and k heads in place (layers.apply_rope: x * cos +
    roll(x, D/2) * signed_sin, each product and the sum rounded like the torch path's
    ops), then k and v into the row's cache slot. D is a multiple of 16. */
@@ -249,14 +264,7 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
     void *hn = own_norm ? (void *)own_rows : (void *)h;  /* the normalised rows' home */
     for (int64_t l = 0; l < md->num_layers; l++) {
         const sluice_layer *ly = layers + l;
-        if (own_norm) {
-            for (int m = 0; m < rows; m++) rms_norm_row(x, ly->norm1, hn, m, hidden, md->eps, bf16);
-            prefetch_share(&ly->qkv, bf16);
-        } else {
-            rms_norm(x, ly->norm1, h, rows, hidden, md->eps, bf16);
-            prefetch_share(&ly->qkv, bf16);
-            #pragma omp barrier
-        }
+        norm_for(&ly->qkv, x, ly->norm1, hn, rows, hidden, md->eps, bf16, own_norm);
         product(&ly->qkv, hn, rows, qkv, NULL, bf16, 0, md->qscratch);
         rope_and_write(md, ly, qkv, rows, positions, slots, rope);
         #pragma omp for schedule(dynamic, 1) nowait
@@ -270,14 +278,7 @@ int sluice_decode_layers(const sluice_model *md, const sluice_layer *layers, voi
         prefetch_share(&ly->o, bf16);
         #pragma omp barrier
         product(&ly->o, attn, rows, NULL, x, bf16, 0, md->qscratch);
-        if (own_norm) {
-            for (int m = 0; m < rows; m++) rms_norm_row(x, ly->norm2, hn, m, hidden, md->eps, bf16);
-            prefetch_share(&ly->gate_up, bf16);
-        } else {
-            rms_norm(x, ly->norm2, h, rows, hidden, md->eps, bf16);
-            prefetch_share(&ly->gate_up, bf16);
-            #pragma omp barrier
-        }
+        norm_for(&ly->gate_up, x, ly->norm2, hn, rows, hidden, md->eps, bf16, own_norm);
         product(&ly->gate_up, hn, rows, gate_up, NULL, bf16, 0, md->qscratch);
         silu_mul(gate_up, act, rows, inter, bf16);
         prefetch_share(&ly->down, bf16);
