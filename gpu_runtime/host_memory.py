@@ -13,14 +13,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import logging
 import math
 import mmap
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # a cache line: each tensor of an arena starts on one
@@ -56,8 +53,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class HugePageArena:
-    """One huge-page mapping that tensors are copied into, each from a cache line's
-    boundary (`take`): the weights a decode step streams, in one place. The tensors
+    """One huge-page mapping that hands out tensors, each from a cache line's boundary
+    (`empty`): the weights a decode step streams, in one place. The tensors
     it hands out hold the mapping for as long as any lives."""
 
     def __init__(self, num_bytes: int) -> None:
@@ -87,12 +84,6 @@ class HugePageArena:
         """Whether `tensor`'s data lies in the arena."""
         start = self._bytes.data_ptr()
         return start <= tensor.data_ptr() < start + self.capacity
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of the (CPU) tensor in the arena."""
-        out = self.empty(tuple(tensor.shape), tensor.dtype)
-        out.copy_(tensor)
-        return out
 
 
 def _aligned(num_bytes: int) -> int:

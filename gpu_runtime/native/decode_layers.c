@@ -84,20 +84,18 @@ typedef struct {
 static void rms_norm_row(const void *x, const void *weight, void *out, int m, int64_t dim,
                          float eps, int bf16)
 {
-    {
-        const char *row = elem(x, m * dim, bf16);
-        vf squares = vf_zero();
-        for (int64_t i = 0; i < dim; i += 16) {
-            const vf v = load16m(elem(row, i, bf16), first_n(dim - i), bf16);
-            squares = vf_fmadd(v, v, squares);
-        }
-        const vf inv = vf_set1(1.0f / sqrtf(vf_reduce_add(squares) / (float)dim + eps));
-        for (int64_t i = 0; i < dim; i += 16) {
-            const vmask k = first_n(dim - i);
-            const vf v = rnd16(vf_mul(load16m(elem(row, i, bf16), k, bf16), inv), bf16);
-            store16m(elem(out, m * dim + i, bf16), k,
-                     vf_mul(load16m(elem(weight, i, bf16), k, bf16), v), bf16);
-        }
+    const char *row = elem(x, m * dim, bf16);
+    vf squares = vf_zero();
+    for (int64_t i = 0; i < dim; i += 16) {
+        const vf v = load16m(elem(row, i, bf16), first_n(dim - i), bf16);
+        squares = vf_fmadd(v, v, squares);
+    }
+    const vf inv = vf_set1(1.0f / sqrtf(vf_reduce_add(squares) / (float)dim + eps));
+    for (int64_t i = 0; i < dim; i += 16) {
+        const vmask k = first_n(dim - i);
+        const vf v = rnd16(vf_mul(load16m(elem(row, i, bf16), k, bf16), inv), bf16);
+        store16m(elem(out, m * dim + i, bf16), k,
+                 vf_mul(load16m(elem(weight, i, bf16), k, bf16), v), bf16);
     }
 }
 
