@@ -25,8 +25,22 @@ from schemas.names import POOL_PATTERN
 # Every Kafka client asks for the cluster's metadata at least this often (Kafka's
 # default: 5 min). A leader cut off from its followers but not from its clients keeps
 # serving them as if it led: without an error to make them ask, they learn of the new
-# leaders only when the cut heals (`sluice bench chaos --networked`).
-METADATA_MAX_AGE_MS = 5_000
+# leaders only when the cut heals (`sluice bench chaos --networked`); what they sent
+# the old one is let go of when they do (`common.broker_loss`). A request a client
+# makes every 2 s is nothing to a broker.
+METADATA_MAX_AGE_MS = 2_000
+# A produce request waits this long at most (less when SLUICE_CLIENT__TIMEOUT_SECS is
+# lower), then is retried (idempotent: never twice). Such a leader holds an acks=all
+# write until then, and a broker answers one connection's requests in order: a metadata
+# request that aiokafka sends on the same connection waits behind it, so the client
+# learns of the new leader that much later (10 s: answers held ~10 s after a producer
+# of a worker had heard it).
+PRODUCE_TIMEOUT_S = 5.0
+
+
+def produce_timeout_ms(timeout_s: float) -> int:
+    """A producer's `request_timeout_ms`: PRODUCE_TIMEOUT_S, or `timeout_s` when shorter."""
+    return int(min(timeout_s, PRODUCE_TIMEOUT_S) * 1000)
 
 
 class ServerSettings(BaseModel):

@@ -26,6 +26,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import ConsumerRecord
 
+from common.broker_loss import let_go_of_fenced_brokers
 from common.safe_fetch import SafeFetcher, describe
 from common.timeouts import within
 from common.topics import partitions_of
@@ -91,6 +92,7 @@ class RequestIngest:
             heartbeat_interval_ms=1_000,
             max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=16 * 1024 * 1024,
         )
+        let_go_of_fenced_brokers(self.consumer._client, "the request consumer")
         self.fetcher = SafeFetcher(self.consumer)
         self.checks = RequestChecks(options, checker, prompts, self._cluster_topics)
         self.num_records = 0

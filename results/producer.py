@@ -14,18 +14,9 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from common.broker_loss import let_go_of_fenced_brokers
+from common.settings import produce_timeout_ms
 from common.topics import partitions_of
-
-# A worker's requests to a broker wait this long at most (less when
-# SLUICE_CLIENT__TIMEOUT_SECS is lower). A leader cut off from its followers holds an
-# acks=all write until it times out; retried, it goes to the new leader (metadata
-# refreshed, at the latest every METADATA_MAX_AGE_MS) instead of waiting for the cut
-# to heal.
-PRODUCE_TIMEOUT_S = 10.0
-
-
-def produce_timeout_ms(request_timeout_s: float) -> int:
-    return int(min(request_timeout_s, PRODUCE_TIMEOUT_S) * 1000)
 
 
 class TransactionsFailed(KafkaError):
@@ -64,6 +55,7 @@ class KafkaProducerPort:
             request_timeout_ms=produce_timeout_ms(request_timeout_s),
             max_request_size=8 * 1024 * 1024,
         )
+        let_go_of_fenced_brokers(self._producer.client, "the result producer")
 
     async def start(self) -> None:
         await self._producer.start()

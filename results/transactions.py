@@ -53,9 +53,11 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import IllegalOperation, InvalidProducerEpoch, ProducerFenced
 from aiokafka.structs import OffsetAndMetadata
 
+from common.broker_loss import forget_coordinators_on, let_go_of_fenced_brokers
+from common.settings import produce_timeout_ms
 from common.timeouts import within
 from common.topics import partitions_of
-from results.producer import TransactionsFailed, produce_timeout_ms
+from results.producer import TransactionsFailed
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ class TransactionalProducerPort:
             acks="all", linger_ms=1, request_timeout_ms=produce_timeout_ms(request_timeout_s),
             max_request_size=8 * 1024 * 1024, transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
         )
+        let_go_of_fenced_brokers(self.producer.client, f"producer {transactional_id}",
+                                 also=forget_coordinators_on(self.producer))
         self._request_timeout_s = request_timeout_s
         # Held while a transaction is being committed: no record may slip into it then.
         self.gate = asyncio.Lock()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from common.broker_loss import let_go_of_fenced_brokers
 from common.safe_fetch import SafeFetcher
 from common.settings import Settings
 from common.topics import partitions_of
@@ -50,6 +51,7 @@ class ReplyReader:
             **settings.kafka_options(), enable_auto_commit=False,
             isolation_level="read_committed",
         )
+        let_go_of_fenced_brokers(self._consumer._client, f"the reader of {topic}")
         self._fetcher = SafeFetcher(self._consumer)
         self._subs: dict[str, _Subscription] = {}
         self._task: asyncio.Task[None] | None = None
