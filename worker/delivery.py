@@ -27,9 +27,11 @@ from worker.supervision import OnFailure, WatchedTasks
 
 log = logging.getLogger(__name__)
 
-# A fenced partition the group still gives this worker this long after is taken over
-# again: a zombie hears from its group within a few heartbeats (one a second).
+# A fenced partition the group still gives this worker is taken over again once a
+# heartbeat sent after the fence says the group is unchanged, or this long after at the
+# latest: a zombie hears from its group within a few heartbeats (one a second).
 RETAKE_AFTER_S = 5.0
+RETAKE_CHECK_S = 0.1
 # A partition whose transaction failed otherwise is taken over again this soon.
 RETRY_AFTER_FAILURE_S = 1.0
 
@@ -45,6 +47,9 @@ class Delivery:
     ingest_of: Callable[[], RequestIngest | None]
     fail: OnFailure
     drop_held: Callable[[set[object]], int]
+    # Whether a heartbeat sent after a moment (time.monotonic) found this worker's
+    # assignment current (`MembershipGate.member_since`).
+    member_since: Callable[[float], bool] = lambda _moment: False
     # Exactly-once: the partitions' transactions, and who closes them (None:
     # at-least-once).
     transactions: PartitionTransactions | None = field(default=None, init=False)
@@ -164,14 +169,19 @@ class Delivery:
     async def _retake_if_still_ours(self, tp: Any, ingest: RequestIngest, assignment: int,
                                     after_s: float, why: str) -> None:
         """A zombie learns within a few heartbeats that the group moved on (a rebalance,
-        or its membership lost); a partition still this worker's `after_s` later is
-        taken over again."""
-        await asyncio.sleep(after_s)
+        or its membership lost); a partition still this worker's when a heartbeat sent
+        after now is answered, or `after_s` later at the latest, is taken over again
+        (a transaction the coordinator timed out while a leader was cut off fences as
+        a take-over does: waiting the whole `after_s` kept its requests waiting)."""
+        since = time.monotonic()
+        deadline = since + after_s
+        while time.monotonic() < deadline and not self.member_since(since):
+            await asyncio.sleep(RETAKE_CHECK_S)
         if (self.ingest_of() is not ingest or ingest.assignments != assignment
                 or ingest.membership_lost() or not self._still_assigned(tp)):
             return
-        log.warning("partition %d is still this worker's %g s after %s: taking it over "
-                    "again", tp.partition, after_s, why)
+        log.warning("partition %d is still this worker's %.1f s after %s: taking it over "
+                    "again", tp.partition, time.monotonic() - since, why)
         self._take_over([tp], assignment)
 
     def _pending_offsets(self) -> dict[Any, tuple[int, str]]:

@@ -51,6 +51,9 @@ class MembershipGate:
         self._watched: Any = None
         self._membership: tuple[str, int] = ("", -1)
         self.last_answer = time.monotonic()
+        # When the latest heartbeat the group answered as a member of its current
+        # generation, no rebalance pending, was sent (`member_since`).
+        self._confirmed_sent = float("-inf")
 
     async def watch(self) -> None:
         while True:
@@ -95,12 +98,22 @@ class MembershipGate:
         beat = coordinator._do_heartbeat
 
         async def heartbeat() -> bool:
+            sent = time.monotonic()
             alive = await beat()
             if alive:
                 self.last_answer = time.monotonic()
+                # aiokafka answers True to "rebalancing" too, and asks to rejoin then.
+                if not coordinator._rejoin_needed_fut.done():
+                    self._confirmed_sent = max(self._confirmed_sent, sent)
             return bool(alive)
 
         coordinator._do_heartbeat = heartbeat
+
+    def member_since(self, moment: float) -> bool:
+        """Whether a heartbeat sent after `moment` (time.monotonic) was answered with
+        this worker a member of the group's current generation and no rebalance under
+        way: what it was assigned then is still its own."""
+        return self._confirmed_sent > moment
 
     async def confirmed(self) -> bool:
         """Whether writes may go on: at once without a stall; after one, once the group

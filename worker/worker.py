@@ -159,7 +159,8 @@ class Worker:
         self.delivery = Delivery(settings=self.settings, model=self.model, writer=self.writer,
                                  tracker=self.tracker, metrics=self.metrics, tasks=self.tasks,
                                  ingest_of=lambda: self.ingest, fail=self._fail,
-                                 drop_held=lambda tps: self.held.cancel_from(tps, self.engine))
+                                 drop_held=lambda tps: self.held.cancel_from(tps, self.engine),
+                                 member_since=self.membership.member_since)
         self.handover = Handover(held=self.held, tracker=self.tracker, metrics=self.metrics,
                                  writer=self.writer, delivery=self.delivery,
                                  ingest_of=lambda: self.ingest, engine_of=lambda: self.engine)

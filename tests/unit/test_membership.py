@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from worker.membership import MembershipGate
@@ -11,11 +12,12 @@ class FakeCoordinator:
     """aiokafka's group coordinator as the gate uses it: a member id, and a heartbeat
     that the group answers (or refuses, resetting the membership)."""
 
-    def __init__(self, answers: list[bool]):
+    def __init__(self, answers: list[bool | str]):
         self.member_id = "m-1"
         self.generation = 1
         self.answers = answers
         self.heartbeats = 0
+        self._rejoin_needed_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def ensure_coordinator_known(self) -> None:
         return None
@@ -23,6 +25,9 @@ class FakeCoordinator:
     async def _do_heartbeat(self) -> bool:
         self.heartbeats += 1
         alive = self.answers.pop(0)
+        if alive == "rebalancing":  # aiokafka: True, and a rejoin asked for
+            self._rejoin_needed_fut.set_result(None)
+            return True
         if not alive:
             self.member_id = ""  # aiokafka's reset_generation
         return alive
@@ -72,3 +77,23 @@ async def test_heartbeats_unanswered_past_the_silence_hold_writes() -> None:
     assert time.monotonic() - gate.last_answer < 1
     gate._tick()
     assert await gate.confirmed() and gate.num_stalls == 0
+
+
+async def test_member_since_counts_only_heartbeats_sent_later_and_answered_plainly() -> None:
+    """A fenced partition is taken over again once a heartbeat sent after the fence
+    finds the group unchanged (`worker.delivery`): not one sent before, not one
+    refused, not aiokafka's "rebalancing" answer (True too, with a rejoin asked)."""
+    coordinator = FakeCoordinator([True, False, "rebalancing"])
+    gate = MembershipGate(lambda: coordinator, stall_s=3.0, silence_s=5.0)
+    gate._tick()  # wraps the coordinator's heartbeat
+    before = time.monotonic()
+    await coordinator._do_heartbeat()
+    assert gate.member_since(before)
+    fenced = time.monotonic()
+    assert not gate.member_since(fenced)  # answered, but sent before the fence
+    coordinator.member_id = "m-1"
+    await coordinator._do_heartbeat()  # refused: out of the group
+    assert not gate.member_since(fenced)
+    coordinator.member_id = "m-1"
+    await coordinator._do_heartbeat()  # the group rebalancing
+    assert not gate.member_since(fenced)
