@@ -8,10 +8,17 @@ clock starts when the broker took it). Replicated min(3, brokers) times, with
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAuthorizationFailedError, UnknownTopicOrPartitionError, for_code
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
 from aiokafka.protocol.metadata import MetadataRequest
 
 from common.errors import InvalidConfigError
@@ -143,15 +150,26 @@ async def partitions_of(client_of: object, topic: str) -> set[int]:
     only knows topics they already follow). Asks for this one topic, never creating
     it, so a principal that may not see it gets TopicAuthorizationFailedError rather
     than an empty answer (Kafka answers so for a topic that does not exist either,
-    when the principal may not DESCRIBE it); KafkaError when no broker answers.
+    when the principal may not DESCRIBE it); KafkaError when no broker answers. Each
+    known broker is asked in turn (random order) until one answers: asking one alone
+    failed a client's send while that broker was killed (`sluice bench chaos`).
     """
     client = getattr(client_of, "client", None) or client_of._client  # type: ignore[attr-defined]
-    node = client.get_random_node()
-    if node is None:
+    nodes = [broker.nodeId for broker in client.cluster.brokers()]
+    if not nodes:
         await client.bootstrap()
-        node = client.get_random_node()
-    response = await client.send(node, MetadataRequest(topics=[topic],
-                                                       allow_auto_topic_creation=False))
+        nodes = [broker.nodeId for broker in client.cluster.brokers()]
+    random.shuffle(nodes)
+    request = MetadataRequest(topics=[topic], allow_auto_topic_creation=False)
+    failure: KafkaError = KafkaConnectionError("no broker of the cluster is known")
+    for node in nodes:
+        try:
+            response = await client.send(node, request)
+            break
+        except KafkaError as exc:  # that broker away (killed, restarting): ask the next
+            failure = exc
+    else:
+        raise failure
     for error_code, name, *_, partitions in response.topics:
         if name != topic:
             continue
