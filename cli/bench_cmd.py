@@ -38,6 +38,9 @@ def register(app: typer.Typer) -> None:
             "--networked", help="`chaos`: brokers, PostgreSQL and each worker in a network "
             "namespace of its own, and network faults (partitions, loss, a bandwidth cap) "
             "beside the process faults; needs root, `ip` and `nft`.")] = False,
+        kinds: Annotated[str | None, typer.Option(
+            "--kinds", help="`chaos`: the fault kinds to draw from, comma-separated (default: "
+            "every kind the run can make).")] = None,
         model: Annotated[str, typer.Option(
             "--model", help="`kafka`, `bulk`, `gateway`: the model served: tiny (default; "
             "its step is so cheap that Kafka's own cost shows) or smollm2 (the bundled "
@@ -56,7 +59,7 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--device must be cpu or cuda, got {device!r}", 2)
         console = Console()
         if scenario == "chaos":
-            doc = _chaos(console, seed, requests, faults, delivery, networked)
+            doc = _chaos(console, seed, requests, faults, delivery, networked, kinds)
             results = None
         elif scenario == "gpu":
             from bench.gpu import print_gpu, run_gpu
@@ -96,7 +99,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _chaos(console: object, seed: int, requests: int, faults: int, delivery: str,
-           networked: bool) -> dict:
+           networked: bool, kinds: str | None = None) -> dict:
     """A seeded fault run on a cluster of its own (`bench.chaos`), as a document."""
     import asyncio
     import tempfile
@@ -111,9 +114,16 @@ def _chaos(console: object, seed: int, requests: int, faults: int, delivery: str
         raise fail(f"--delivery must be exactly_once or at_least_once, got {delivery!r}", 2)
     if networked and (reason := unavailable()) is not None:
         raise fail(f"--networked: no network namespaces here: {reason}", 2)
-    config = ChaosConfig(seed=seed, requests=requests, faults=faults, delivery=delivery,
-                         networked=networked,
-                         kinds=ALL_KINDS if networked else PROCESS_KINDS)
+    chosen = ALL_KINDS if networked else PROCESS_KINDS
+    if kinds is not None:
+        chosen = tuple(kind.strip() for kind in kinds.split(",") if kind.strip())
+        if not chosen:
+            raise fail(f"--kinds names no kind; known: {', '.join(ALL_KINDS)}", 2)
+    try:
+        config = ChaosConfig(seed=seed, requests=requests, faults=faults, delivery=delivery,
+                             networked=networked, kinds=chosen)
+    except ValueError as exc:  # a kind unknown, or a network kind without --networked
+        raise fail(f"--kinds: {exc}; known: {', '.join(ALL_KINDS)}", 2) from None
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "tiny")
         report = asyncio.run(run_chaos(config, Path(tmp), model, say=console.print))  # type: ignore[attr-defined]

@@ -161,3 +161,16 @@ def test_bench_refuses_an_unknown_model() -> None:
     result = CliRunner().invoke(_app(), ["bench", "bulk", "--model", "gpt-5"])
     assert result.exit_code == 2
     assert "--model must be tiny or smollm2" in result.output
+
+
+@pytest.mark.parametrize(("kinds", "said"), [
+    ("bogus", "unknown fault kinds ['bogus']"),
+    ("lossy_links", "need a networked run"),
+    (" , ", "names no kind"),
+])
+def test_bench_chaos_refuses_kinds_it_cannot_make(kinds: str, said: str) -> None:
+    """`--kinds` narrows the nemesis (e.g. leader isolations alone); a kind it does not
+    know, or a network kind without `--networked`, is refused before anything starts."""
+    result = CliRunner().invoke(_app(), ["bench", "chaos", "--kinds", kinds])
+    assert result.exit_code == 2
+    assert said in result.output and "known: " in result.output
