@@ -37,6 +37,12 @@ def let_go_of_fenced_brokers(client: Any, what: str,
     known: set[int] = {broker.nodeId for broker in cluster.brokers()}
 
     def on_update(updated: Any) -> None:
+        try:
+            let_go(updated)
+        except Exception:  # inside aiokafka's metadata update: never break that
+            log.exception("%s: letting go of a fenced broker failed", what)
+
+    def let_go(updated: Any) -> None:
         nonlocal known
         listed = {broker.nodeId for broker in updated.brokers()}
         gone, known = known - listed, listed

@@ -4,10 +4,11 @@ now says, instead of waiting for the cut to heal."""
 
 from __future__ import annotations
 
-from aiokafka.client import AIOKafkaClient
+from aiokafka import AIOKafkaProducer
+from aiokafka.client import AIOKafkaClient, CoordinationType
 from aiokafka.protocol.metadata import MetadataResponse_v1
 
-from common.broker_loss import let_go_of_fenced_brokers
+from common.broker_loss import forget_coordinators_on, let_go_of_fenced_brokers
 
 
 class Connection:
@@ -43,3 +44,19 @@ async def test_connections_to_a_broker_left_out_of_the_metadata_are_closed() -> 
     assert not conns[(2, 0)].closed and not conns[(1, 0)].closed
     client.cluster.update_metadata(_metadata(1, 3))
     assert conns[(2, 0)].closed and not conns[(3, 1)].closed
+
+
+async def test_a_producer_forgets_its_coordinators_on_a_fenced_broker() -> None:
+    """Pins the aiokafka internals `forget_coordinators_on` uses (its sender's
+    coordinators by kind): an aiokafka that moved them fails here, not in a metadata
+    listener under a fault."""
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:9001", enable_idempotence=True)
+    coordinators = producer._sender._coordinators
+    coordinators.update({CoordinationType.TRANSACTION: 2, CoordinationType.GROUP: 3})
+    forget_coordinators_on(producer)(2)
+    assert coordinators == {CoordinationType.GROUP: 3}
+    let_go_of_fenced_brokers(producer.client, "a test producer",
+                             also=forget_coordinators_on(producer))
+    producer.client.cluster.update_metadata(_metadata(1, 2, 3))
+    producer.client.cluster.update_metadata(_metadata(1, 2))  # node 3 fenced
+    assert coordinators == {}
