@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -32,12 +33,15 @@ from typing import Any, TypeVar
 
 import pydantic
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, OutOfOrderSequenceNumber
+from aiokafka.structs import RecordMetadata
 
+from common.broker_loss import let_go_of_fenced_brokers
 from common.errors import KafkaAccessError
 from common.kafka_connect import connect
 from common.kafka_security import explain
-from common.settings import Settings
+from common.producer_renewal import retire, say_renewed
+from common.settings import Settings, produce_timeout_ms
 from common.timeouts import dependency_call
 from common.topics import partitions_of
 from common.tracing import trace_headers
@@ -67,6 +71,8 @@ TERMINAL_EVENTS = (DoneEvent, ErrorEvent, TimeoutEvent)
 TOPIC_KNOWN_FOR_S = 60.0
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class _LoopThread:
@@ -166,6 +172,7 @@ class Client:
         self._producer_lock: asyncio.Lock | None = None
         self._topic_seen: dict[str, float] = {}  # request topic -> monotonic time
         self._placements = Placements(self.settings)
+        self._cancels: set[asyncio.Task[Any]] = set()  # cancel records being sent
 
     # -- control plane ------------------------------------------------------------------
 
@@ -198,11 +205,9 @@ class Client:
         if self._producer is None:
             producer = AIOKafkaProducer(
                 **self.settings.producer_options(), enable_idempotence=True,
-                # Not the workers' 5 s produce timeout nor their letting go of a fenced
-                # broker: with them, sends after a leader's isolation failed for the rest
-                # of a chaos run (OutOfOrderSequenceNumber; cause not yet found).
-                request_timeout_ms=int(self.settings.client.timeout_secs * 1000),
+                request_timeout_ms=produce_timeout_ms(self.settings.client.timeout_secs),
             )
+            let_go_of_fenced_brokers(producer.client, "the SDK's producer")
             try:
                 await connect(producer.start(), self.settings, "the SDK's producer")
             except BaseException:
@@ -210,6 +215,29 @@ class Client:
                 raise
             self._producer = producer
         return self._producer
+
+    async def _renew_producer(self, broken: AIOKafkaProducer, exc: BaseException) -> None:
+        """Replace a producer the broker refuses for its sequence numbers (see
+        `common.producer_renewal`); once, however many sends found it broken."""
+        assert self._producer_lock is not None  # made by the first _start_producer
+        async with self._producer_lock:
+            if self._producer is broken:
+                say_renewed("the SDK's producer", exc)
+                self._producer = None
+                retire(broken, "the SDK")
+                await self._make_producer()
+
+    async def _send(self, topic: str, value: bytes, key: bytes,
+                    headers: list[tuple[str, bytes]]) -> RecordMetadata:
+        """One record, acknowledged; a record refused for the producer's sequence
+        numbers goes again through a new producer."""
+        producer = await self._start_producer()
+        try:
+            return await producer.send_and_wait(topic, value, key=key, headers=headers)
+        except OutOfOrderSequenceNumber as exc:
+            await self._renew_producer(producer, exc)
+        producer = await self._start_producer()
+        return await producer.send_and_wait(topic, value, key=key, headers=headers)
 
     async def _reader(self, topic: str) -> ReplyReader:
         if self._data_lock is None:
@@ -293,11 +321,9 @@ class Client:
         headers = [("authorization", f"Bearer {key}".encode())] if key else []
         sent_headers = [*headers, *trace_headers(traceparent, tracestate)]
         try:
-            assert self._producer is not None
             try:
-                where = await self._producer.send_and_wait(
-                    topic, encode(request), key=request.partition_key.encode(),
-                    headers=sent_headers)
+                where = await self._send(topic, encode(request),
+                                         request.partition_key.encode(), sent_headers)
                 sent = True
             except KafkaError as exc:
                 denied = explain(exc, self.settings.kafka, f"sending to {topic}")
@@ -331,7 +357,8 @@ class Client:
                         raise RequestTimeoutError.no_terminal_event(
                             request.request_id, model, limit)
                     assert max_ttft_ms is not None
-                    if await self._placements.started(self._producer, model, where.partition,
+                    producer = await self._start_producer()
+                    if await self._placements.started(producer, model, where.partition,
                                                       where.offset) is not False:
                         started_by = None  # started (or unknown): its answer is coming
                         continue
@@ -379,12 +406,22 @@ class Client:
 
     async def _send_cancel(self, topic: str, request: InferenceRequest,
                            headers: list[tuple[str, bytes]], wait: bool = False) -> None:
-        producer = await self._start_producer()
         record = encode(CancelRequest(request_id=request.request_id))
-        future = await producer.send(topic, record, key=request.partition_key.encode(),
-                                     headers=headers)
+        sending = self._send(topic, record, request.partition_key.encode(), headers)
         if wait:
-            await future
+            await sending
+            return
+        # The caller goes on at once; the cancel is still acknowledged (or renewed and
+        # resent) in the background, its failure logged.
+        task = asyncio.get_running_loop().create_task(sending)
+        self._cancels.add(task)
+        task.add_done_callback(self._cancel_sent)
+
+    def _cancel_sent(self, task: asyncio.Task[Any]) -> None:
+        self._cancels.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a cancel record was not sent: %s: %s",
+                        type(task.exception()).__name__, task.exception())
 
     async def complete(self, *, model: str, **fields: Any) -> DoneEvent:
         """Send one request and return its `done` event; raises on `error` or `timeout`
@@ -402,6 +439,8 @@ class Client:
 
     async def aclose(self) -> None:
         """Close the Kafka clients the data plane opened (and the control plane's)."""
+        if self._cancels:  # cancel records still on their way go out first
+            await asyncio.gather(*self._cancels, return_exceptions=True)
         for reader in self._readers.values():
             await reader.stop()
         self._readers.clear()
