@@ -21,6 +21,10 @@ from common.topics import committed_and_coordinator, partitions_of
 STALE_READ_GRACE_S = 5.0
 # One look at the cluster's capacity (after a fault heals) waits this long at most.
 PROBE_S = 3.0
+# Reading the reply topic back: at most this many reads, this far apart, while a
+# request seems unanswered (`check_replies`).
+REPLY_READS = 4
+REREAD_AFTER_S = 10.0
 
 
 class OffsetWatch:
@@ -126,9 +130,27 @@ async def _read_all(settings: Settings, topic: str, isolation: str) -> list[dict
     return out
 
 
+def _unanswered(committed: list[dict[str, Any]], report: ChaosReport) -> list[str]:
+    """Requests sent (not refused at the send) with no terminal event in `committed`."""
+    ended = {e.get("request_id") for e in committed if e.get("type") in TERMINAL}
+    return [request_id for request_id, sent in report.sent.items()
+            if request_id not in ended and not sent.outcome.startswith("send_failed")]
+
+
 async def check_replies(settings: Settings, report: ChaosReport) -> None:
-    """Read the reply topic back and hold it to the invariants."""
-    committed = await _read_all(settings, settings.topic("results"), "read_committed")
+    """Read the reply topic back and hold it to the invariants.
+
+    Read again (REPLY_READS at most, REREAD_AFTER_S apart) while a request has no
+    terminal event: a read that starts as the last fault heals can take its end offsets
+    from a leader that was cut off and has not yet learned it was replaced (a run lost
+    34 answers that way, answers its client had read). An answer never written stays
+    missing in every read; the report says how many reads there were."""
+    for read in range(1, REPLY_READS + 1):
+        committed = await _read_all(settings, settings.topic("results"), "read_committed")
+        report.reply_reads = read
+        if read == REPLY_READS or not _unanswered(committed, report):
+            break
+        await asyncio.sleep(REREAD_AFTER_S)
     report.num_records = len(committed)
     exactly_once = report.config.delivery == "exactly_once"
     terminals: dict[str, list[dict[str, Any]]] = defaultdict(list)

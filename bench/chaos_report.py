@@ -104,6 +104,7 @@ class ChaosReport:
     offset_samples: int = 0
     stale_offset_reads: list[str] = field(default_factory=list)
     num_records: int = 0
+    reply_reads: int = 0  # reads of the reply topic `check_replies` needed
     calm_latency_s: list[float] = field(default_factory=list)
     # Lines of the workers' logs that say they stop, and exits the nemesis did not cause.
     worker_stops: list[str] = field(default_factory=list)
@@ -131,7 +132,7 @@ class ChaosReport:
             "worker_stops": self.worker_stops, "worker_exits": self.worker_exits,
             "offset_samples": self.offset_samples,
             "stale_offset_reads": self.stale_offset_reads,
-            "reply_records": self.num_records,
+            "reply_records": self.num_records, "reply_reads": self.reply_reads,
             "end_to_end_calm": ms(self.calm_latency_s),
             "end_to_end_during_faults": ms(self.fault_latency_s),
             "capacity_back_s": {"max": max(capacity, default=None),
