@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import pydantic
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, OutOfOrderSequenceNumber
+from aiokafka.errors import KafkaError, KafkaTimeoutError, OutOfOrderSequenceNumber
 from aiokafka.structs import RecordMetadata
 
 from common.broker_loss import let_go_of_fenced_brokers
@@ -69,6 +69,8 @@ TERMINAL_EVENTS = (DoneEvent, ErrorEvent, TimeoutEvent)
 
 # A model's request topic, once seen, is trusted this long before it is looked up again.
 TOPIC_KNOWN_FOR_S = 60.0
+# A record the producer could not take yet is offered again after this pause.
+REOFFER_AFTER_S = 0.1
 
 T = TypeVar("T")
 
@@ -228,16 +230,32 @@ class Client:
                 await self._make_producer()
 
     async def _send(self, topic: str, value: bytes, key: bytes,
-                    headers: list[tuple[str, bytes]]) -> RecordMetadata:
-        """One record, acknowledged; a record refused for the producer's sequence
-        numbers goes again through a new producer."""
-        producer = await self._start_producer()
-        try:
-            return await producer.send_and_wait(topic, value, key=key, headers=headers)
-        except OutOfOrderSequenceNumber as exc:
-            await self._renew_producer(producer, exc)
-        producer = await self._start_producer()
-        return await producer.send_and_wait(topic, value, key=key, headers=headers)
+                    headers: list[tuple[str, bytes]], until: float | None = None
+                    ) -> RecordMetadata:
+        """One record, acknowledged. A record the producer could not take within its
+        request timeout (it waits behind a batch whose leader is away: a broker killed
+        or cut off) was never added, so it is offered again until `until` (monotonic;
+        default SLUICE_CLIENT__TIMEOUT_SECS from now). A record refused for the
+        producer's sequence numbers goes again through a new producer."""
+        if until is None:
+            until = time.monotonic() + self.settings.client.timeout_secs
+        renewed = False
+        while True:
+            producer = await self._start_producer()
+            try:
+                future = await producer.send(topic, value, key=key, headers=headers)
+            except KafkaTimeoutError:
+                if time.monotonic() >= until:
+                    raise
+                await asyncio.sleep(REOFFER_AFTER_S)
+                continue
+            try:
+                return await future
+            except OutOfOrderSequenceNumber as exc:
+                if renewed:
+                    raise
+                renewed = True
+                await self._renew_producer(producer, exc)
 
     async def _reader(self, topic: str) -> ReplyReader:
         if self._data_lock is None:
@@ -323,7 +341,8 @@ class Client:
         try:
             try:
                 where = await self._send(topic, encode(request),
-                                         request.partition_key.encode(), sent_headers)
+                                         request.partition_key.encode(), sent_headers,
+                                         until=deadline)
                 sent = True
             except KafkaError as exc:
                 denied = explain(exc, self.settings.kafka, f"sending to {topic}")

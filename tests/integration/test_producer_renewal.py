@@ -12,11 +12,12 @@ SDK's send and the worker's result port still deliver, each record exactly once.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import OutOfOrderSequenceNumber
+from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
 import sluice
 from results.producer import KafkaProducerPort
@@ -98,3 +99,45 @@ async def test_the_result_port_replaces_a_refused_producer_and_sends_again(setti
     values = await _values(settings, topic)
     assert values[0] == b"first" and values[-1] == b"last"
     assert sorted(values[1:-1]) == [f"r{i}".encode() for i in range(5)]  # once each
+
+
+async def test_the_sdk_offers_again_a_record_its_producer_could_not_take_yet(settings) -> None:
+    """A record that waits behind a batch that cannot go (its partition's leader away)
+    fails aiokafka's send with KafkaTimeoutError after the request timeout, never added:
+    a chaos run lost a send that way during a broker's SIGKILL. The SDK offers it
+    again until the call's own deadline. The batch is held here by muting its
+    partition in the producer's sender, then let go."""
+    topic = await _topic(settings, "reoffer")
+    # The producer's request timeout: one try is 1 s.
+    quick = settings.model_copy(
+        update={"client": settings.client.model_copy(update={"timeout_secs": 1.0})})
+    client = sluice.Client(quick)
+    try:
+        await client._send(topic, b"first", b"k", [])
+        producer = client._producer
+        assert producer is not None
+        tp = TopicPartition(topic, 0)
+        producer._sender._muted_partitions.add(tp)
+        big = b"x" * 12_000  # two do not fit one 16 kB batch
+        held = await producer.send(topic, big, key=b"k")
+        with pytest.raises(KafkaTimeoutError):  # what a plain send meets
+            await producer.send(topic, big, key=b"k")
+
+        async def let_go() -> None:
+            await asyncio.sleep(2.5)
+            producer._sender._muted_partitions.discard(tp)
+            waiter = producer._message_accumulator._waiter_future  # wake the sender
+            if not waiter.done():
+                waiter.set_result(None)
+
+        releasing = asyncio.create_task(let_go())
+        try:
+            meta = await client._send(topic, b"second", b"k", [],
+                                      until=time.monotonic() + 30)
+        finally:
+            await releasing  # the held batch goes, so the producer can stop
+        assert meta.topic == topic
+        await held
+    finally:
+        await client.aclose()
+    assert await _values(settings, topic) == [b"first", big, b"second"]
