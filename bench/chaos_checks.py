@@ -141,10 +141,10 @@ async def check_replies(settings: Settings, report: ChaosReport) -> None:
     """Read the reply topic back and hold it to the invariants.
 
     Read again (REPLY_READS at most, REREAD_AFTER_S apart) while a request has no
-    terminal event: a read that starts as the last fault heals can take its end offsets
-    from a leader that was cut off and has not yet learned it was replaced (a run lost
-    34 answers that way, answers its client had read). An answer never written stays
-    missing in every read; the report says how many reads there were."""
+    terminal event: a read that starts as the last fault heals can, it seems, take its
+    end offsets from a leader that was cut off and has not yet learned it was replaced
+    (a run counted 34 answers its client had read as missing). An answer never written
+    stays missing in every read; the report says how many reads there were."""
     for read in range(1, REPLY_READS + 1):
         committed = await _read_all(settings, settings.topic("results"), "read_committed")
         report.reply_reads = read

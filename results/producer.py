@@ -123,9 +123,14 @@ class KafkaProducerPort:
                     retire(broken, "the result producer")
             sent = await self._producer.send(topic, value, key=key, headers=headers)
             result = await sent
-        except Exception as exc:
-            if not answer.done():
-                answer.set_exception(exc)
+        except BaseException as exc:
+            if not answer.done():  # a sender (and delivery's flush) never waits forever
+                if isinstance(exc, asyncio.CancelledError):
+                    answer.cancel()
+                else:
+                    answer.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
             return
         if not answer.done():
             answer.set_result(result)
