@@ -49,6 +49,13 @@ def retire(producer: AIOKafkaProducer, what: str) -> None:
     task.add_done_callback(_retiring.discard)
 
 
+async def retired() -> None:
+    """Wait until every replaced producer has stopped (a client closing waits for them,
+    so none outlives it)."""
+    if _retiring:
+        await asyncio.gather(*_retiring, return_exceptions=True)
+
+
 def say_renewed(what: str, exc: BaseException) -> None:
     log.warning("%s: the broker refused a batch for its sequence number (%s); a new "
                 "producer takes over and the record is sent again", what, exc)

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from common.broker_loss import let_go_of_fenced_brokers
-from common.producer_renewal import retire, say_renewed, sequence_refused
+from common.producer_renewal import retire, retired, say_renewed, sequence_refused
 from common.settings import produce_timeout_ms
 from common.topics import partitions_of
 
@@ -77,6 +77,7 @@ class KafkaProducerPort:
         if self._resends:
             await asyncio.gather(*self._resends, return_exceptions=True)
         await self._producer.stop()
+        await retired()  # producers replaced on the way
 
     async def send(self, topic: str, value: bytes, key: bytes | None,
                    headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:

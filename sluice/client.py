@@ -40,7 +40,7 @@ from common.broker_loss import let_go_of_fenced_brokers
 from common.errors import KafkaAccessError
 from common.kafka_connect import connect
 from common.kafka_security import explain
-from common.producer_renewal import retire, say_renewed
+from common.producer_renewal import retire, retired, say_renewed
 from common.settings import Settings, produce_timeout_ms
 from common.timeouts import dependency_call
 from common.topics import partitions_of
@@ -467,6 +467,7 @@ class Client:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+        await retired()  # producers replaced on the way
         self.close()
 
     def close(self) -> None:
