@@ -8,7 +8,11 @@ cannot be parameters (the schema name) are validated by Settings' pattern.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
+from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -106,6 +110,24 @@ _LOCK_ID = 0x51CE
 DATABASE_AWAY: tuple[type[BaseException], ...] = (
     OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
     asyncpg.InternalClientError)
+
+
+@contextlib.asynccontextmanager
+async def bounded_connection(pool: asyncpg.Pool, timeout_s: float) -> AsyncIterator[Any]:
+    """A pool connection whose acquisition and use each end within `timeout_s`
+    (TimeoutError past it). A connection whose query was cut short is terminated, not
+    handed back: asyncpg's release first waits, with no bound, for the server to confirm
+    the query's cancellation, and through a cut network (or one that drops packets) no
+    confirmation comes, so the caller would hang until the connection died of itself."""
+    conn = await pool.acquire(timeout=timeout_s)
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield conn
+    except (TimeoutError, asyncio.CancelledError):
+        conn.terminate()
+        raise
+    finally:
+        await pool.release(conn)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:

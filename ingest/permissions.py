@@ -19,11 +19,16 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from common.db import DATABASE_AWAY
+from common.db import DATABASE_AWAY, bounded_connection
 from common.timeouts import within
 from schemas import keys as api_keys
 
 log = logging.getLogger(__name__)
+
+# Each try at the database (a lookup, the listener's probe) ends within this; the caller
+# tries again. A lookup takes milliseconds; a connection that a network cut left hanging
+# would otherwise hold the request until TCP gave up on it.
+TRY_S = 3.0
 
 
 class PermissionsUnavailable(RuntimeError):
@@ -125,17 +130,16 @@ class PermissionChecker:
             return _Entry(None, False, frozenset(), now + self.ttl_s)
         key_id, secret = parsed
         try:
-            async with asyncio.timeout(self.call_timeout_s):
-                async with self.pool.acquire() as conn:
-                    row = await conn.fetchrow(
-                        "SELECT salt, secret_hash, revoked_at, reply_topic_prefix, tenant "
-                        "FROM api_keys "
-                        "WHERE key_id = $1",
-                        key_id,
-                    )
-                    grants = await conn.fetch(
-                        "SELECT model, adapter FROM grants WHERE key_id = $1", key_id
-                    )
+            async with bounded_connection(self.pool, min(self.call_timeout_s, TRY_S)) as conn:
+                row = await conn.fetchrow(
+                    "SELECT salt, secret_hash, revoked_at, reply_topic_prefix, tenant "
+                    "FROM api_keys "
+                    "WHERE key_id = $1",
+                    key_id,
+                )
+                grants = await conn.fetch(
+                    "SELECT model, adapter FROM grants WHERE key_id = $1", key_id
+                )
         except DATABASE_AWAY as exc:
             raise PermissionsUnavailable(f"permission database unavailable: {exc}") from exc
         if row is None or not api_keys.verify(row["salt"], row["secret_hash"], secret):
@@ -146,6 +150,17 @@ class PermissionChecker:
             row["reply_topic_prefix"], row["tenant"],
         )
 
+    async def _let_go(self, conn: asyncpg.Connection) -> None:
+        """Stop listening on `conn` and hand it back. One that does not answer in time is
+        terminated instead (see `bounded_connection`: a cut network never confirms a
+        cancelled query, and the pool would wait for that)."""
+        try:
+            await within(TRY_S, conn.remove_listener(self.channel, self._on_notify))
+        except Exception:  # whatever went wrong, this connection is done
+            conn.terminate()
+        with contextlib.suppress(Exception):
+            await self.pool.release(conn)
+
     def _on_notify(self, _conn: object, _pid: int, _channel: str, key_id: str) -> None:
         for digest in [d for d, e in self._cache.items() if e.key_id == key_id]:
             del self._cache[digest]
@@ -154,21 +169,18 @@ class PermissionChecker:
         channel = self.channel
         while not self._closed:
             try:
-                conn = await self.pool.acquire()
+                conn = await self.pool.acquire(timeout=TRY_S)
                 try:
-                    await conn.add_listener(channel, self._on_notify)
+                    await within(TRY_S, conn.add_listener(channel, self._on_notify))
                     self._listener = conn
                     while not self._closed and not conn.is_closed():
                         # A cheap liveness probe: a dead connection must stop caching.
-                        await within(5, conn.execute("SELECT 1"))
+                        await within(TRY_S, conn.execute("SELECT 1"))
                         await asyncio.sleep(1.0)
                 finally:
                     self._listener = None
                     self._cache.clear()
-                    with contextlib.suppress(Exception):
-                        await conn.remove_listener(channel, self._on_notify)
-                    with contextlib.suppress(Exception):
-                        await self.pool.release(conn)
+                    await self._let_go(conn)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep trying: the database may come back

@@ -20,12 +20,14 @@ import socket
 
 import asyncpg
 
-from common.db import DATABASE_AWAY
+from common.db import DATABASE_AWAY, bounded_connection
 from common.timeouts import within
 
 log = logging.getLogger(__name__)
 
 SERVING_PREFIX = "serving"
+# A beat that takes longer gives up (its connection terminated) and the next tries anew.
+BEAT_TRY_S = 5.0
 
 
 async def record_worker(conn: asyncpg.Connection, *, instance_id: str, model: str, pool: str,
@@ -75,7 +77,7 @@ class Heartbeat:
 
     async def beat(self) -> None:
         try:
-            async with self._pool.acquire() as conn:
+            async with bounded_connection(self._pool, BEAT_TRY_S) as conn:
                 await record_worker(conn, **self._row, status=self.status,  # type: ignore[arg-type]
                                     device_memory_bytes=self.device_memory_bytes)
         except DATABASE_AWAY as exc:
