@@ -260,7 +260,8 @@ def bench_cpu_engines(device: str, quick: bool,
                      for precision, peak in peaks.items()}
 
         def med(engine: str, variant: str, job: str) -> float | None:
-            values = [run[job] for run in runs[(engine, variant)] if job in run]
+            # A variant skipped on this CPU has no runs: its figures are None.
+            values = [run[job] for run in runs.get((engine, variant), []) if job in run]
             return statistics.median(values) if values else None
 
         results: dict[str, Any] = {"engines": {}}
@@ -294,7 +295,7 @@ def bench_cpu_engines(device: str, quick: bool,
             results["engines"][name] = entry
 
         def greedy_of(engine: str, variant: str) -> list[int] | None:
-            first = runs[(engine, variant)][0] if runs[(engine, variant)] else {}
+            first = runs[(engine, variant)][0] if runs.get((engine, variant)) else {}
             return first.get("greedy")
 
         def equal_run(a: list[int] | None, b: list[int] | None) -> dict[str, Any] | None:
