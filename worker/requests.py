@@ -98,8 +98,14 @@ class HeldRequests:
 
 
 def engine_key(admitted: Admitted) -> str:
-    """Unique per record and attempt in this worker: the request id, where it was read."""
-    return f"{admitted.request.request_id}#{admitted.tp.partition}:{admitted.offset}"
+    """Unique per record and assignment in this worker: the request id, where it was
+    read, and the epoch of the partition's assignment it was read under. A partition
+    dropped and taken over again (a fenced transactional id, a rebalance giving it back)
+    reads its records again while the engine may still hold the dropped ones, cancelled
+    but not yet ended: under one key the record read again was taken for a duplicate and
+    never served (the chaos run, leader isolations: 20 requests unanswered)."""
+    return (f"{admitted.request.request_id}#{admitted.tp.partition}:{admitted.offset}"
+            f"@{admitted.epoch}")
 
 
 def _no_grammars(_response_format: dict[str, Any]) -> str | None:

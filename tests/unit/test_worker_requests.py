@@ -97,6 +97,49 @@ async def test_a_record_read_twice_is_admitted_once(flow) -> None:
     await flow.held.release(engine_key(admitted))
 
 
+async def test_a_record_read_again_after_its_partition_was_taken_over_again_is_served() -> None:
+    """Exactly-once drops a fenced partition's requests (cancelled in the engine, not yet
+    ended) and, still the partition's owner, takes it over again and reads them again
+    at once: each is served under the new assignment, and the dropped one's end is not
+    taken for the new one's."""
+    import dataclasses
+
+    producer = FakeProducer(topics={"replies", "sluice.timeouts", "sluice.deadletter"})
+    finished: list[int] = []
+    writer = ResultWriter(ResultsOptions("tiny", "sluice.timeouts", "sluice.deadletter", {}, 1.0),
+                          lambda tp, offset: finished.append(offset), producer=producer)
+    engine = Engine(FakeRuntime(), BatcherConfig())
+    await engine.start()
+    current = {TP: 1}  # the partition's assignment epoch, as the offset tracker keeps it
+
+    def holds(tp: object, epoch: int) -> bool:
+        return current.get(tp) == epoch
+
+    held = HeldRequests()
+    pump = EventPump(writer, held, engine, holds=holds)
+    pumping = asyncio.create_task(pump.run())
+    router = Router(writer, held, lambda: engine, lambda: None, owns=holds, holds=holds)
+    try:
+        admitted = _admitted(7)
+        first = dataclasses.replace(
+            admitted, epoch=1, request=admitted.request.model_copy(update={"max_tokens": 50}))
+        await router.route(first)
+        # Fenced: revoked, its held requests cancelled; then taken over again and read
+        # again before the engine has ended the cancelled one (no await in between).
+        current[TP] = 2
+        assert held.cancel_from({TP}, engine) == 1
+        await router.route(dataclasses.replace(first, epoch=2))
+        assert await held.wait_empty(10)
+        assert await pump.wait_idle(engine)
+        await writer.flush()
+        terminal = [e for e in _events(producer) if e["type"] != "token"]
+        assert [(e["request_id"], e["type"]) for e in terminal] == [("r-7", "done")]
+        assert finished == [7]
+    finally:
+        pumping.cancel()
+        await engine.stop()
+
+
 async def test_waits_end_on_events_or_time_out(flow) -> None:
     held = flow.held
     held.hold("k", type("Ctx", (), {"topic_partition": TP})())  # type: ignore[arg-type]
