@@ -40,7 +40,11 @@ STEPS = 16
 # the logits' spread (std) 6-8; transformers and llama.cpp differ by as much (0.20-0.34).
 MEAN_ABS_TOL = 0.4
 GREEDY_EQUAL = 12  # greedy tokens equal to the reference's before any near tie may part them
-NEAR_TIE = 0.5  # where the next tokens differ, the reference's own top two within this
+# Where the next tokens differ, the reference's own top two within this. Two logits'
+# errors differ by about 1.8x the mean |diff| (0.35-0.5 at the means above): on an
+# AVX2-only host (AMD EPYC) the LoRA test's greedy token parted at a reference gap of
+# 0.55 (ours the other way by 0.13; mean |diff| 0.22, that position's largest 1.2).
+NEAR_TIE = 0.75
 
 
 def _assert_same_next_tokens(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
