@@ -47,12 +47,18 @@ class Flow:
     finished: list[int]
 
 
-@pytest.fixture
-async def flow():
+def _results() -> tuple[FakeProducer, list[int], ResultWriter]:
+    """A result writer over a fake producer, and the offsets it reports finished."""
     producer = FakeProducer(topics={"replies", "sluice.timeouts", "sluice.deadletter"})
     finished: list[int] = []
     writer = ResultWriter(ResultsOptions("tiny", "sluice.timeouts", "sluice.deadletter", {}, 1.0),
                           lambda tp, offset: finished.append(offset), producer=producer)
+    return producer, finished, writer
+
+
+@pytest.fixture
+async def flow():
+    producer, finished, writer = _results()
     engine = Engine(FakeRuntime(), BatcherConfig())
     await engine.start()
     held = HeldRequests()
@@ -104,10 +110,7 @@ async def test_a_record_read_again_after_its_partition_was_taken_over_again_is_s
     taken for the new one's."""
     import dataclasses
 
-    producer = FakeProducer(topics={"replies", "sluice.timeouts", "sluice.deadletter"})
-    finished: list[int] = []
-    writer = ResultWriter(ResultsOptions("tiny", "sluice.timeouts", "sluice.deadletter", {}, 1.0),
-                          lambda tp, offset: finished.append(offset), producer=producer)
+    producer, finished, writer = _results()
     engine = Engine(FakeRuntime(), BatcherConfig())
     await engine.start()
     current = {TP: 1}  # the partition's assignment epoch, as the offset tracker keeps it
