@@ -70,6 +70,7 @@ def register(app: typer.Typer) -> None:
                                 instance_id=instance_id,
                                 max_num_batched_tokens=max_batched_tokens,
                                 adapter_slots=adapter_slots, compile=compile_step,
+                                freeze_heap=True,
                                 memory_budget_bytes=None if memory_budget_gib is None
                                 else int(memory_budget_gib * 2**30))
         count = replicas if replicas is not None else _auto_replicas(settings, model, device, tp)

@@ -29,11 +29,12 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -89,6 +90,64 @@ def _put(attributes: Any, key: str, value: Any) -> None:
         kv.value.string_value = str(value)
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _int_attribute(key: str) -> Callable[[int], bytes]:
+    """A KeyValue of `key` and an int, as the bytes of an Event's `attributes` field."""
+    head = b"\x0a" + _varint(len(key)) + key.encode()
+    cache = {}
+
+    def attribute(value: int) -> bytes:
+        found = cache.get(value)
+        if found is None:
+            number = _varint(value if value >= 0 else value + (1 << 64))  # int64: two's complement
+            any_value = b"\x18" + number  # AnyValue.int_value (3)
+            kv = head + b"\x12" + _varint(len(any_value)) + any_value  # KeyValue.value (2)
+            found = b"\x1a" + _varint(len(kv)) + kv  # Event.attributes (3)
+            if len(cache) < 4096:
+                cache[value] = found
+        return found
+
+    return attribute
+
+
+_STEP_REQUESTS = _int_attribute("sluice.step.requests")
+_STEP_TOKENS = _int_attribute("sluice.step.tokens")
+_STEP_MS_KEY = b"\x0a\x0esluice.step.ms"
+# Event.attributes (3) of a KeyValue (key, then AnyValue.double_value (4) as fixed64).
+_STEP_MS = struct.Struct("<B" + "B" + f"{len(_STEP_MS_KEY)}s" + "BBB" + "d")
+# Span.events (11) and the event's length (under 128 bytes: one byte), then its
+# time_unix_nano (1), a fixed64.
+_STEP_HEAD = struct.Struct("<BBBQ")
+_STEP_NAME = b"\x12\x04step"  # Event.name (2)
+
+
+def _step_events(steps: Sequence[tuple[float, float, int, int]]) -> bytes:
+    """The `step` events of a span, as the bytes of its repeated `events` field (merged
+    into the span message: a Python loop over upb's fields cost ~6.5 us a step, a
+    third of a traced request's encoding; this ~1.5 us). Each event carries
+    sluice.step.requests, sluice.step.ms and, for a prompt chunk, sluice.step.tokens."""
+    ms_kv_len = len(_STEP_MS_KEY) + 2 + 9
+    parts = []
+    for started, seconds, num_tokens, num_seqs in steps:
+        body = [_STEP_NAME, _STEP_REQUESTS(num_seqs),
+                _STEP_MS.pack(0x1A, ms_kv_len, _STEP_MS_KEY, 0x12, 9, 0x21,
+                              round(seconds * 1000, 3))]
+        if num_tokens != 1:  # a prompt chunk; a decode step computes one token
+            body.append(_STEP_TOKENS(num_tokens))
+        rest = b"".join(body)
+        parts.append(_STEP_HEAD.pack(0x5A, 9 + len(rest), 0x09, int(started * 1e9)))
+        parts.append(rest)
+    return b"".join(parts)
+
+
 def _encode_span(out: Any, s: Finished) -> None:
     span = out.add(trace_id=s.trace_id, span_id=s.span_id, parent_span_id=s.parent_id,
                    trace_state=s.trace_state, name=s.name, kind=s.kind,
@@ -101,19 +160,8 @@ def _encode_span(out: Any, s: Finished) -> None:
         event = span.events.add(time_unix_nano=at, name=name)
         for key, value in event_attributes.items():
             _put(event.attributes, key, value)
-    for started, seconds, num_tokens, num_seqs in s.steps:
-        event = span.events.add(time_unix_nano=int(started * 1e9), name="step")
-        attributes = event.attributes
-        kv = attributes.add()
-        kv.key = "sluice.step.requests"
-        kv.value.int_value = num_seqs
-        kv = attributes.add()
-        kv.key = "sluice.step.ms"
-        kv.value.double_value = round(seconds * 1000, 3)
-        if num_tokens != 1:  # a prompt chunk; a decode step computes one token
-            kv = attributes.add()
-            kv.key = "sluice.step.tokens"
-            kv.value.int_value = num_tokens
+    if s.steps:
+        span.MergeFromString(_step_events(s.steps))
     if s.error is not None:
         span.status.code = Status.STATUS_CODE_ERROR
         span.status.message = s.error
@@ -247,6 +295,9 @@ def _serve_pipe() -> None:
     """The encoding process: options first, then (batch, retry) pairs until the pipe
     closes; each answered with None or why the batch was not exported."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the worker; EOF ends this
+    # Background work: on a loaded host the worker's threads come first (a span batch
+    # waits; the queue's bound drops what overflows, as the SDK's processor does).
+    os.nice(10)
     out_fd = os.dup(1)
     os.dup2(2, 1)  # a stray print must not corrupt the answers
     inbox, outbox = Connection(0, writable=False), Connection(out_fd, readable=False)

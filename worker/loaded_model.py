@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from batcher.config import BatcherConfig
 from batcher.engine import Engine, StepStats
+from common.heap import freeze_heap
 from common.threads import in_own_thread
 from gpu_runtime import RankFailure, Runtime, RuntimeConfig
 from schemas import ModelDeployment
@@ -94,6 +95,8 @@ class LoadedModel:
         elif seconds is not None:
             log.info("compiled the decode step of %s in %.1f s; decode steps take it from "
                      "now on", self.model, seconds)
+            if self._options.freeze_heap:  # the compiled graphs live as long as the model
+                freeze_heap()
         self._on_status()
 
     async def sync_adapters(self, dep: ModelDeployment) -> bool:

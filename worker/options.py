@@ -30,6 +30,9 @@ class WorkerOptions:
     adapter_slots: int | None = None  # None: the compute config's max_adapters
     wait_for_model_s: float = 600.0
     compile: bool | None = None  # None: SLUICE_COMPILE, else the compute config, else auto
+    # The process is this worker's own (`sluice worker`): its heap is frozen once the model
+    # is loaded (`common.heap`). Off for a worker inside another program (tests, benches).
+    freeze_heap: bool = False
 
     def adapter_slots_for(self, dep: ModelDeployment) -> int:
         if self.adapter_slots is not None:

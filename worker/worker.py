@@ -33,6 +33,7 @@ import asyncpg
 
 from batcher.engine import Engine
 from common.db import create_pool, notify_channel
+from common.heap import freeze_heap
 from common.kafka_connect import connect
 from common.kafka_security import explain
 from common.settings import Settings
@@ -126,6 +127,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self.tasks = WatchedTasks(self._fail, self._stopping)
         self.num_reloads = 0
+        self.num_loads = 0
         self.fatal: BaseException | None = None
         # After a stall (a pause) nothing is written until the group still knows us.
         self.membership = MembershipGate(
@@ -328,6 +330,11 @@ class Worker:
                  dep.revision, weights, sorted(self.loaded.adapters.names),
                  time.monotonic() - started)
         self.metrics.set_weights_format(weights)
+        if self.options.freeze_heap:
+            # What start-up and loading made lives as long as the model: out of the full
+            # collections' walk (a reload frees the replaced model's cycles first).
+            freeze_heap(collect_first=self.num_loads > 0)
+        self.num_loads += 1
         config = self.loaded.runtime_config(dep)
         if config.compile and config.tp == 1:
             # Serve first: eager steps answer at once, and the compiled graphs are swapped

@@ -261,3 +261,35 @@ async def test_reply_records_carry_the_requests_trace_context() -> None:
     await asyncio.sleep(0)
     assert len(producer.acked) == 3
     assert producer.headers == [headers, headers, headers]
+
+
+def test_step_events_written_as_bytes_decode_as_the_message_api_builds_them():
+    """The `step` events are serialized by hand (a third of a traced request's encoding
+    otherwise): at the varint edges (1-byte and multi-byte counts, a prompt chunk and a
+    decode step), they decode to what protobuf's own API builds."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanMessage
+
+    steps = [(1_765_000_000.123456, 0.0041234, 1, 1), (1_765_000_000.5, 0.25, 127, 128),
+             (1_765_000_001.0, 12.5, 16_384, 300), (0.000001, 0.0, 2, 0),
+             (1_765_000_002.0, 1e-7, 1, 2**31)]
+    span = Finished(b"t" * 16, b"s" * 8, b"p" * 8, "", "decode", 1, 1, 2, None, (), steps, None)
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    got = ExportTraceServiceRequest.FromString(encode([span], {}, "sluice"))
+    events = got.resource_spans[0].scope_spans[0].spans[0].events
+
+    want = SpanMessage()
+    for started, seconds, tokens, seqs in steps:
+        event = want.events.add(time_unix_nano=int(started * 1e9), name="step")
+        kv = event.attributes.add(key="sluice.step.requests")
+        kv.value.int_value = seqs
+        kv = event.attributes.add(key="sluice.step.ms")
+        kv.value.double_value = round(seconds * 1000, 3)
+        if tokens != 1:
+            kv = event.attributes.add(key="sluice.step.tokens")
+            kv.value.int_value = tokens
+    assert list(events) == list(want.events)
+    assert [e.SerializeToString() for e in events] == [
+        e.SerializeToString() for e in want.events]
