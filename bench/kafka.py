@@ -354,29 +354,31 @@ async def _tracing_cost(served: Served, device: str, quick: bool,
                 # traced twin's longer-lived objects set off more full collections,
                 # each ~0.15 s of this whole process while start-up's heap is in them.
                 freeze_heap(collect_first=True)
-                await _exported(traced)
-                got = await _alternating(served, models, prompts[pair::2], max_tokens,
-                                         f"tr{pair}")
-                for mode in modes:
-                    for name, values in got[mode].items():
-                        lat[mode][name].extend(values)
-                await _exported(traced)
-                runs: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
-                with tempfile.TemporaryDirectory() as tmp:
-                    in_path = _bulk_file(Path(tmp), served, num_bulk, max_tokens, 37)
-                    for r, mode in enumerate(["off", "on", "on", "off"] * cycles):
-                        summary = await run_batch(served.client, in_path,
-                                                  Path(tmp) / f"out-{mode}-{r}.jsonl",
-                                                  model=models[mode], api_key=served.api_key,
-                                                  concurrency=concurrency)
-                        if summary.num_errors:
-                            raise RuntimeError(f"tracing {mode}: a bulk run had "
-                                               f"{summary.num_errors} errors")
-                        seconds = summary.seconds + (await _exported(traced) if mode == "on"
-                                                     else 0.0)
-                        runs[mode].append((seconds, summary.num_completion_tokens))
-                bulk.append(runs)
-            gc.unfreeze()
+                try:
+                    await _exported(traced)
+                    got = await _alternating(served, models, prompts[pair::2], max_tokens,
+                                             f"tr{pair}")
+                    for mode in modes:
+                        for name, values in got[mode].items():
+                            lat[mode][name].extend(values)
+                    await _exported(traced)
+                    runs: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
+                    with tempfile.TemporaryDirectory() as tmp:
+                        in_path = _bulk_file(Path(tmp), served, num_bulk, max_tokens, 37)
+                        for r, mode in enumerate(["off", "on", "on", "off"] * cycles):
+                            summary = await run_batch(served.client, in_path,
+                                                      Path(tmp) / f"out-{mode}-{r}.jsonl",
+                                                      model=models[mode], api_key=served.api_key,
+                                                      concurrency=concurrency)
+                            if summary.num_errors:
+                                raise RuntimeError(f"tracing {mode}: a bulk run had "
+                                                   f"{summary.num_errors} errors")
+                            seconds = summary.seconds + (await _exported(traced) if mode == "on"
+                                                         else 0.0)
+                            runs[mode].append((seconds, summary.num_completion_tokens))
+                    bulk.append(runs)
+                finally:
+                    gc.unfreeze()  # the rest of the bench as it was
             spans += traced.exporter.num_exported
             await asyncio.to_thread(traced.shutdown)
 
@@ -396,7 +398,8 @@ async def _tracing_cost(served: Served, device: str, quick: bool,
         "bulk_tokens_per_s": {m: figure(v, "tok/s", 1) for m, v in rate.items()},
         "bulk_runs_tokens_per_s": [{m: [round(t / s, 1) for s, t in runs[m]] for m in modes}
                                    for runs in bulk],
-        "bulk_pair_ratios": [ratio(r["on"], r["off"]) for r in rates],
+        "bulk_pair_ratios": {f"{first}_started_first": ratio(r["on"], r["off"])
+                             for first, r in zip(("untraced", "traced"), rates, strict=True)},
         "spans_exported": figure(spans, "spans", 0),
         "ratios": {
             "ttft_p50_on_over_off": ratio(ttft["on"], ttft["off"]),

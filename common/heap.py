@@ -13,8 +13,10 @@ garbage made while serving is collected as before.
 
 The first load freezes without collecting first (a full pass there is ~0.16 s
 more before the first token; what it would find at start-up is a few dozen
-objects). A reload unfreezes, collects — the replaced model's cycles are freed
-— and freezes again.
+objects). Later freezes collect first, which is cheap once start-up's heap is
+frozen: after the compiled decode step is built (its graphs and guards live as
+long as the model; what the compiler dropped must not be kept), and on a reload,
+which unfreezes first so that the replaced model's cycles are freed.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def freeze_heap(*, collect_first: bool = False) -> None:
+def freeze_heap(*, collect_first: bool = False, unfreeze_first: bool = False) -> None:
     """Move every object the collector tracks to its permanent generation; with
-    `collect_first`, unfreeze and collect what is garbage before (a reload)."""
-    if collect_first:
+    `collect_first`, collect what is garbage among the others before; with
+    `unfreeze_first`, the frozen ones too (a reload)."""
+    if unfreeze_first:
         gc.unfreeze()
+    if collect_first:
         gc.collect()
     gc.freeze()
     log.debug("heap frozen: %d objects out of the full collections", gc.get_freeze_count())

@@ -333,7 +333,8 @@ class Worker:
         if self.options.freeze_heap:
             # What start-up and loading made lives as long as the model: out of the full
             # collections' walk (a reload frees the replaced model's cycles first).
-            freeze_heap(collect_first=self.num_loads > 0)
+            reload = self.num_loads > 0
+            freeze_heap(collect_first=reload, unfreeze_first=reload)
         self.num_loads += 1
         config = self.loaded.runtime_config(dep)
         if config.compile and config.tp == 1:

@@ -271,7 +271,8 @@ def test_step_events_written_as_bytes_decode_as_the_message_api_builds_them():
 
     steps = [(1_765_000_000.123456, 0.0041234, 1, 1), (1_765_000_000.5, 0.25, 127, 128),
              (1_765_000_001.0, 12.5, 16_384, 300), (0.000001, 0.0, 2, 0),
-             (1_765_000_002.0, 1e-7, 1, 2**31)]
+             (1_765_000_002.0, 1e-7, 1, 2**31), (1_765_000_003.0, 1.0, -1, 2**63 - 1),
+             (1_765_000_004.0, 2.0, -(2**63), -1)]
     span = Finished(b"t" * 16, b"s" * 8, b"p" * 8, "", "decode", 1, 1, 2, None, (), steps, None)
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
