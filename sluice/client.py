@@ -43,7 +43,7 @@ from common.kafka_security import explain
 from common.producer_renewal import retire, retired, say_renewed
 from common.settings import Settings, produce_timeout_ms
 from common.timeouts import dependency_call
-from common.topics import partitions_of
+from common.topics import partitions_of_waiting
 from common.tracing import trace_headers
 from schemas import (
     CancelRequest,
@@ -285,9 +285,11 @@ class Client:
             return topic
         producer = await self._start_producer()
         try:
+            timeout_s = self.settings.client.timeout_secs
             partitions = await dependency_call("looking up the model's request topic",
-                                               partitions_of(producer, topic),
-                                               self.settings.client.timeout_secs)
+                                               partitions_of_waiting(producer, topic,
+                                                                     timeout_s * 0.9),
+                                               timeout_s)
         except KafkaError as exc:
             denied = explain(exc, self.settings.kafka, f"looking up model {model!r}")
             if denied is None:

@@ -10,6 +10,7 @@ listens on.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -17,7 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 from aiokafka.structs import BrokerMetadata
 
-from common.topics import partitions_of
+from common.topics import partitions_of, partitions_of_waiting
 
 pytestmark = pytest.mark.integration
 
@@ -47,5 +48,50 @@ async def test_a_broker_that_is_away_is_skipped(settings, caplog) -> None:
         cluster._brokers = {4242: away}
         with pytest.raises(KafkaError):
             await partitions_of(producer, topic)
+    finally:
+        await producer.stop()
+
+
+async def test_a_lookup_while_no_broker_answers_waits_for_one(settings, caplog) -> None:
+    """The SDK's lookup (`partitions_of_waiting`) asks again while every broker it knows
+    fails for a reason that passes, and gives the last error once its time is up."""
+    caplog.set_level(logging.INFO, logger="common.topics")
+    topic = settings.topic("lookup-wait")
+    admin = AIOKafkaAdminClient(**settings.kafka_options())
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 2, 1)])
+    finally:
+        await admin.close()
+    producer = AIOKafkaProducer(**settings.kafka_options())
+    await producer.start()
+    try:
+        for _ in range(100):
+            if await partitions_of(producer, topic) == {0, 1}:
+                break
+            await asyncio.sleep(0.1)
+        cluster = producer.client.cluster
+        real = dict(cluster._brokers)
+        away = BrokerMetadata(4243, "127.0.0.1", 1, None)  # a port nothing listens on
+
+        async def back_after(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+            cluster._brokers = dict(real)
+
+        cluster._brokers = {4243: away}
+        with pytest.raises(KafkaError):  # the plain lookup gives up at once
+            await partitions_of(producer, topic)
+        cluster._brokers = {4243: away}
+        returning = asyncio.create_task(back_after(0.6))
+        assert await partitions_of_waiting(producer, topic, wait_s=10) == {0, 1}
+        await returning
+        assert "asking again" in caplog.text
+
+        cluster._brokers = {4243: away}  # away for good: its error, within the bound
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(KafkaError):
+            await partitions_of_waiting(producer, topic, wait_s=1.0)
+        assert asyncio.get_running_loop().time() - started < 3.0
+        cluster._brokers = dict(real)
     finally:
         await producer.stop()
