@@ -10,7 +10,9 @@ listens on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -23,21 +25,32 @@ from common.topics import partitions_of, partitions_of_waiting
 pytestmark = pytest.mark.integration
 
 
-async def test_a_broker_that_is_away_is_skipped(settings, caplog) -> None:
-    topic = settings.topic("lookup")
+@contextlib.asynccontextmanager
+async def _producer_knowing(settings, topic: str, partitions: int
+                            ) -> AsyncIterator[AIOKafkaProducer]:
+    """A started producer, once a new `topic` of `partitions` is in every broker's
+    metadata."""
     admin = AIOKafkaAdminClient(**settings.kafka_options())
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, 3, 1)])
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
     finally:
         await admin.close()
     producer = AIOKafkaProducer(**settings.kafka_options())
     await producer.start()
     try:
-        for _ in range(100):  # the new topic reaches every broker's metadata
-            if await partitions_of(producer, topic) == {0, 1, 2}:
+        for _ in range(100):
+            if await partitions_of(producer, topic) == set(range(partitions)):
                 break
             await asyncio.sleep(0.1)
+        yield producer
+    finally:
+        await producer.stop()
+
+
+async def test_a_broker_that_is_away_is_skipped(settings, caplog) -> None:
+    topic = settings.topic("lookup")
+    async with _producer_knowing(settings, topic, 3) as producer:
         cluster = producer.client.cluster
         away = BrokerMetadata(4242, "127.0.0.1", 1, None)  # a port nothing listens on
         for _ in range(12):  # random order: the one away comes first about half the time
@@ -48,8 +61,6 @@ async def test_a_broker_that_is_away_is_skipped(settings, caplog) -> None:
         cluster._brokers = {4242: away}
         with pytest.raises(KafkaError):
             await partitions_of(producer, topic)
-    finally:
-        await producer.stop()
 
 
 async def test_a_lookup_while_no_broker_answers_waits_for_one(settings, caplog) -> None:
@@ -57,19 +68,7 @@ async def test_a_lookup_while_no_broker_answers_waits_for_one(settings, caplog) 
     fails for a reason that passes, and gives the last error once its time is up."""
     caplog.set_level(logging.INFO, logger="common.topics")
     topic = settings.topic("lookup-wait")
-    admin = AIOKafkaAdminClient(**settings.kafka_options())
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, 2, 1)])
-    finally:
-        await admin.close()
-    producer = AIOKafkaProducer(**settings.kafka_options())
-    await producer.start()
-    try:
-        for _ in range(100):
-            if await partitions_of(producer, topic) == {0, 1}:
-                break
-            await asyncio.sleep(0.1)
+    async with _producer_knowing(settings, topic, 2) as producer:
         cluster = producer.client.cluster
         real = dict(cluster._brokers)
         away = BrokerMetadata(4243, "127.0.0.1", 1, None)  # a port nothing listens on
@@ -93,5 +92,3 @@ async def test_a_lookup_while_no_broker_answers_waits_for_one(settings, caplog) 
             await partitions_of_waiting(producer, topic, wait_s=1.0)
         assert asyncio.get_running_loop().time() - started < 3.0
         cluster._brokers = dict(real)
-    finally:
-        await producer.stop()
