@@ -13,16 +13,18 @@ garbage made while serving is collected as before.
 
 The first load freezes without collecting first (a full pass there is ~0.16 s
 more before the first token; what it would find at start-up is a few dozen
-objects). Later freezes collect first, which is cheap once start-up's heap is
-frozen: after the compiled decode step is built (its graphs and guards live as
-long as the model; what the compiler dropped must not be kept), and on a reload,
-which unfreezes first so that the replaced model's cycles are freed.
+objects); so does the freeze after a compiled decode step is built (its graphs
+and guards live as long as the model): a pass then took 0.2 s of the whole
+process for 970 garbage objects among ~257,000 new ones (the tiny model), so
+those few stay. A reload unfreezes and collects first, so that the replaced
+model's cycles are freed.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import time
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +33,11 @@ def freeze_heap(*, collect_first: bool = False, unfreeze_first: bool = False) ->
     """Move every object the collector tracks to its permanent generation; with
     `collect_first`, collect what is garbage among the others before; with
     `unfreeze_first`, the frozen ones too (a reload)."""
+    started = time.perf_counter()
     if unfreeze_first:
         gc.unfreeze()
-    if collect_first:
-        gc.collect()
+    collected = f"{gc.collect()} garbage objects collected first, " if collect_first else ""
     gc.freeze()
-    log.debug("heap frozen: %d objects out of the full collections", gc.get_freeze_count())
+    # (Not gc.get_freeze_count(): it walks the frozen objects, ~20 ms at start-up.)
+    log.info("heap frozen out of the full collections (%s%.3f s)", collected,
+             time.perf_counter() - started)

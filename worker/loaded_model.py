@@ -96,7 +96,7 @@ class LoadedModel:
             log.info("compiled the decode step of %s in %.1f s; decode steps take it from "
                      "now on", self.model, seconds)
             if self._options.freeze_heap:  # the compiled graphs live as long as the model
-                freeze_heap(collect_first=True)
+                freeze_heap()
         self._on_status()
 
     async def sync_adapters(self, dep: ModelDeployment) -> bool:
