@@ -8,10 +8,7 @@ clock starts when the broker took it). Replicated min(3, brokers) times, with
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import random
-import time
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -27,8 +24,6 @@ from aiokafka.protocol.metadata import MetadataRequest
 from common.errors import InvalidConfigError
 from common.settings import Settings
 from common.timeouts import dependency_call
-
-log = logging.getLogger(__name__)
 
 # Kafka protocol error codes of a CreateTopics answer.
 TOPIC_ALREADY_EXISTS = 36
@@ -187,30 +182,6 @@ async def partitions_of(client_of: object, topic: str) -> set[int]:
             raise error(topic)
         return {partition[1] for partition in partitions}
     return set()
-
-
-async def partitions_of_waiting(client_of: object, topic: str, wait_s: float) -> set[int]:
-    """`partitions_of`, asked again while no broker answers for a reason that passes
-    (a connection closed or refused, a broker not ready: `KafkaError.retriable`), with
-    backoff, for up to `wait_s`; then that last error. Not for an answer that is one
-    (a topic that does not exist, a principal that may not see it).
-
-    Why: a client's connections to a broker the cluster has fenced are closed at once
-    (`common.broker_loss`), and a lookup waiting on them then fails on every broker it
-    asked in the same instant: three SDK requests failed so, with KafkaConnectionError
-    before they were sent, during a leader's isolation (`sluice bench chaos
-    --networked`, 1,500 requests)."""
-    deadline = time.monotonic() + wait_s
-    delay = 0.1
-    while True:
-        try:
-            return await partitions_of(client_of, topic)
-        except KafkaError as exc:
-            if not exc.retriable or time.monotonic() + delay > deadline:
-                raise
-            log.info("looking up %s: %s; asking again in %.1f s", topic, exc, delay)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
 
 
 async def committed_of(client_of: object, group_id: str, topic: str,

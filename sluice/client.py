@@ -38,12 +38,12 @@ from aiokafka.structs import RecordMetadata
 
 from common.broker_loss import let_go_of_fenced_brokers
 from common.errors import KafkaAccessError
-from common.kafka_connect import connect
+from common.kafka_connect import connect, until_available
 from common.kafka_security import explain
 from common.producer_renewal import retire, retired, say_renewed
 from common.settings import Settings, produce_timeout_ms
 from common.timeouts import dependency_call
-from common.topics import partitions_of_waiting
+from common.topics import partitions_of
 from common.tracing import trace_headers
 from schemas import (
     CancelRequest,
@@ -285,11 +285,14 @@ class Client:
             return topic
         producer = await self._start_producer()
         try:
-            timeout_s = self.settings.client.timeout_secs
-            partitions = await dependency_call("looking up the model's request topic",
-                                               partitions_of_waiting(producer, topic,
-                                                                     timeout_s * 0.9),
-                                               timeout_s)
+            # Asked again while no broker answers for a reason that passes: the SDK's
+            # broker-loss handler closes the connections to a fenced broker at once, and
+            # a lookup then failed on every broker in that instant (3 requests of a
+            # leader-isolation fault run failed before they were sent).
+            what = "looking up the model's request topic"
+            partitions = await dependency_call(
+                what, until_available(lambda: partitions_of(producer, topic), self.settings,
+                                      what), self.settings.client.timeout_secs)
         except KafkaError as exc:
             denied = explain(exc, self.settings.kafka, f"looking up model {model!r}")
             if denied is None:

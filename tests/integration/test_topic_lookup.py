@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,7 +19,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 from aiokafka.structs import BrokerMetadata
 
-from common.topics import partitions_of, partitions_of_waiting
+from common.kafka_connect import until_available
+from common.topics import partitions_of
 
 pytestmark = pytest.mark.integration
 
@@ -64,10 +64,11 @@ async def test_a_broker_that_is_away_is_skipped(settings, caplog) -> None:
 
 
 async def test_a_lookup_while_no_broker_answers_waits_for_one(settings, caplog) -> None:
-    """The SDK's lookup (`partitions_of_waiting`) asks again while every broker it knows
-    fails for a reason that passes, and gives the last error once its time is up."""
-    caplog.set_level(logging.INFO, logger="common.topics")
+    """The SDK's lookup (`partitions_of` under `until_available`) asks again while every
+    broker it knows fails for a reason that passes, and gives the last error once its
+    time is up."""
     topic = settings.topic("lookup-wait")
+    what = "looking up"
     async with _producer_knowing(settings, topic, 2) as producer:
         cluster = producer.client.cluster
         real = dict(cluster._brokers)
@@ -82,13 +83,16 @@ async def test_a_lookup_while_no_broker_answers_waits_for_one(settings, caplog) 
             await partitions_of(producer, topic)
         cluster._brokers = {4243: away}
         returning = asyncio.create_task(back_after(0.6))
-        assert await partitions_of_waiting(producer, topic, wait_s=10) == {0, 1}
+        assert await until_available(lambda: partitions_of(producer, topic), settings,
+                                     what) == {0, 1}
         await returning
-        assert "asking again" in caplog.text
+        assert "trying again" in caplog.text
 
         cluster._brokers = {4243: away}  # away for good: its error, within the bound
+        brief = settings.model_copy(update={
+            "client": settings.client.model_copy(update={"timeout_secs": 1.0})})
         started = asyncio.get_running_loop().time()
         with pytest.raises(KafkaError):
-            await partitions_of_waiting(producer, topic, wait_s=1.0)
+            await until_available(lambda: partitions_of(producer, topic), brief, what)
         assert asyncio.get_running_loop().time() - started < 3.0
         cluster._brokers = dict(real)
