@@ -450,6 +450,250 @@ static void block_qcols(int64_t qtype, const qacts *a, int64_t m0, int64_t K, co
     }
 }
 
+/* ---- Many rows a call (prefill chunks, decode steps of 3 rows or more): each block
+   unpacked once into plain bytes and float scales in a buffer of the thread's own, then
+   every row's products read it from the cache. Inline, the 4-bit formats' nibble and
+   fifth/high-bit unpacking was done again for each group of QROW_GROUP rows: Q5_0 spent
+   more instructions on it than on the dot products at 2 rows. ---- */
+
+#ifndef QWIDE_ROWS
+#define QWIDE_ROWS 5  /* from this many rows a call (Q5_0: 3) */
+#endif
+#ifndef QWIDE_GROUP
+#if SIMD16_ISA == 512
+#define QWIDE_GROUP 4  /* rows the unpacked products hold at once */
+#else
+#define QWIDE_GROUP 3  /* 16 ymm: per row an accumulator and an output, two registers each */
+#endif
+#endif
+_Static_assert(QWIDE_GROUP <= ROW_GROUP, "store_block takes ROW_GROUP rows");
+
+/* A block unpacked, per half (its outputs 0-15, then 16-31) one contiguous stream:
+   u [2][K/4][16][4] bytes (the format's unsigned values), s and b [2][K/sub][16] float32:
+   value = s * u - b, sub 16 for Q6_K, else 32. Q8_0 keeps its own path: its bytes need
+   no unpacking. */
+typedef struct {
+    uint8_t *u;
+    float *s, *b;
+    int64_t sub;
+    int chunk;  /* wide_chunk */
+} qwide;
+
+static __thread uint8_t *wide_buffer;
+static __thread int64_t wide_capacity;
+
+/* This thread's buffer for a block of K inputs, or a NULL u when it cannot be had. */
+static qwide wide_at(int64_t K)
+{
+    const int64_t u_bytes = 32 * K, scale_bytes = 2 * (K / 16) * 16 * 4, need = u_bytes + 2 * scale_bytes;
+    if (wide_capacity < need) {
+        free(wide_buffer);
+        wide_buffer = NULL;
+        wide_capacity = 0;
+        void *p = NULL;
+        if (posix_memalign(&p, 64, (size_t)need) == 0) { wide_buffer = p; wide_capacity = need; }
+    }
+    qwide w = {wide_buffer, NULL, NULL, 32, 1};
+    if (wide_buffer) {
+        w.s = (float *)(wide_buffer + u_bytes);
+        w.b = (float *)(wide_buffer + u_bytes + scale_bytes);
+    }
+    return w;
+}
+
+static inline void vq_storeu(uint8_t *p, vq v)
+{
+#if SIMD16_ISA == 512
+    _mm512_storeu_si512(p, v);
+#else
+    _mm256_storeu_si256((__m256i *)p, v.lo);
+    _mm256_storeu_si256((__m256i *)p + 1, v.hi);
+#endif
+}
+
+/* Without VNNI: a row's vpmaddubsw pair sums added in 16 bits over `chunk` steps and
+   widened once (vpmaddwd), not each step: half the multiplies. Exact while the chunk's
+   sum fits: |x| <= 127, so 2 * 127 * max(u) * chunk <= 32767 -- 8 steps for 4-bit
+   values, 4 for Q5_0's 5 bits, 2 for Q6_K's 6. */
+#if SIMD16_ISA == 512
+static inline vq vq_pairs16(vq u, vq s) { return _mm512_maddubs_epi16(u, s); }
+static inline vq vq_add16(vq a, vq b) { return _mm512_add_epi16(a, b); }
+static inline vq vq_widen(vq acc, vq v) { return _mm512_add_epi32(acc, _mm512_madd_epi16(v, _mm512_set1_epi16(1))); }
+#else
+static inline vq vq_pairs16(vq u, vq s) { return (vq){_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)}; }
+static inline vq vq_add16(vq a, vq b) { return (vq){_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+static inline vq vq_widen(vq acc, vq v) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return (vq){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(v.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(v.hi, one))};
+}
+#endif
+
+/* v held in registers here: without it GCC computed a chunk's products first and summed
+   them in a tree, spilling most of them (Q4_K products of 32 and 512 rows, 2 threads,
+   AVX2: 1.3-1.4x with it) */
+#if SIMD16_ISA == 512
+#define VQ_KEEP(v) __asm__("" : "+v"(v))
+#else
+#define VQ_KEEP(v) __asm__("" : "+x"((v).lo), "+x"((v).hi))
+#endif
+
+/* Steps a wide product sums in 16 bits before widening (1: none) */
+static inline int wide_chunk(int64_t qtype)
+{
+    if (Q_VNNI) return 1;
+    return qtype == Q6_K ? 2 : qtype == Q5_0 ? 4 : 8;
+}
+
+/* Step t (inputs 4t..4t+3) of u: its 16 outputs of half h. */
+static inline uint8_t *wide_step(const qwide *w, int64_t K, int h, int64_t t)
+{
+    return w->u + h * 16 * K + t * 64;
+}
+
+/* Block wb of qtype (K inputs, not Q8_0) into w. */
+static void unpack_block(int64_t qtype, const uint8_t *wb, int64_t K, qwide *w)
+{
+    w->sub = qtype == Q6_K ? 16 : 32;
+    w->chunk = wide_chunk(qtype);
+    const int64_t groups = K / w->sub;
+    float *s0 = w->s, *s1 = w->s + groups * 16, *b0 = w->b, *b1 = w->b + groups * 16;
+    if (qtype == Q6_K) {
+        const uint16_t *d = (const uint16_t *)(wb + 24 * K);
+        const int8_t *sc = (const int8_t *)(wb + 24 * K + (K / 256) * 64);
+        for (int64_t t8 = 0; t8 < K / 8; t8++) {
+            const uint8_t *src = wb + t8 * 192;
+            const vq v0 = vq_load(src), v1 = vq_load(src + 64), hb = vq_load(src + 128);
+            vq_storeu(wide_step(w, K, 0, 2 * t8), vq_or(vq_lo4(v0), vq_high2(hb, 0)));
+            vq_storeu(wide_step(w, K, 0, 2 * t8 + 1), vq_or(vq_hi4(v0), vq_high2(hb, 1)));
+            vq_storeu(wide_step(w, K, 1, 2 * t8), vq_or(vq_lo4(v1), vq_high2(hb, 2)));
+            vq_storeu(wide_step(w, K, 1, 2 * t8 + 1), vq_or(vq_hi4(v1), vq_high2(hb, 3)));
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            const vf dd0 = vf_from_f16(d + (g / 16) * 32), dd1 = vf_from_f16(d + (g / 16) * 32 + 16);
+            const vf a0 = vf_mul(dd0, vf_from_i8(sc + g * 32)), a1 = vf_mul(dd1, vf_from_i8(sc + g * 32 + 16));
+            vf_storeu(s0 + g * 16, a0);
+            vf_storeu(s1 + g * 16, a1);
+            vf_storeu(b0 + g * 16, vf_mul(a0, vf_set1(32.0f)));
+            vf_storeu(b1 + g * 16, vf_mul(a1, vf_set1(32.0f)));
+        }
+        return;
+    }
+    /* the 4-bit formats and Q5_0: nibbles (and Q5_0's fifth bits) */
+    const uint64_t *fifth = qtype == Q5_0 ? (const uint64_t *)(wb + 16 * K) : NULL;
+    for (int64_t t8 = 0; t8 < K / 8; t8++) {
+        const uint8_t *src = wb + t8 * 128;
+        const vq v0 = vq_load(src), v1 = vq_load(src + 64);
+        vq lo0 = vq_lo4(v0), hi0 = vq_hi4(v0), lo1 = vq_lo4(v1), hi1 = vq_hi4(v1);
+        if (fifth) {
+            const uint64_t *f = fifth + t8 * 4;
+            lo0 = vq_fifth(lo0, f[0]); hi0 = vq_fifth(hi0, f[1]);
+            lo1 = vq_fifth(lo1, f[2]); hi1 = vq_fifth(hi1, f[3]);
+        }
+        vq_storeu(wide_step(w, K, 0, 2 * t8), lo0);
+        vq_storeu(wide_step(w, K, 0, 2 * t8 + 1), hi0);
+        vq_storeu(wide_step(w, K, 1, 2 * t8), lo1);
+        vq_storeu(wide_step(w, K, 1, 2 * t8 + 1), hi1);
+    }
+    if (qtype == Q5_0) {
+        const uint16_t *d = (const uint16_t *)(wb + 20 * K);
+        for (int64_t g = 0; g < groups; g++) {
+            const vf a0 = vf_from_f16(d + g * 32), a1 = vf_from_f16(d + g * 32 + 16);
+            vf_storeu(s0 + g * 16, a0);
+            vf_storeu(s1 + g * 16, a1);
+            vf_storeu(b0 + g * 16, vf_mul(a0, vf_set1(16.0f)));
+            vf_storeu(b1 + g * 16, vf_mul(a1, vf_set1(16.0f)));
+        }
+        return;
+    }
+    const int64_t super = qtype == Q4_K ? 256 : 32, supers = K / super;
+    const uint16_t *d = (const uint16_t *)(wb + 16 * K), *dmin = d + supers * 32;
+    const uint8_t *sc = (const uint8_t *)(dmin + supers * 32), *mins = sc + (K / 32) * 32;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t sb = g * 32 / super;
+        vf_storeu(s0 + g * 16, vf_mul(vf_from_f16(d + sb * 32), vf_from_u8(sc + g * 32)));
+        vf_storeu(s1 + g * 16, vf_mul(vf_from_f16(d + sb * 32 + 16), vf_from_u8(sc + g * 32 + 16)));
+        vf_storeu(b0 + g * 16, vf_mul(vf_from_f16(dmin + sb * 32), vf_from_u8(mins + g * 32)));
+        vf_storeu(b1 + g * 16, vf_mul(vf_from_f16(dmin + sb * 32 + 16), vf_from_u8(mins + g * 32 + 16)));
+    }
+}
+
+/* Half h of an unpacked block for M (<= QWIDE_GROUP) rows from row m0: out[m]. */
+static inline __attribute__((always_inline)) void
+wide_cols(const qacts *a, int64_t m0, int64_t K, const qwide *w, int h, const int sub,
+          const int chunk, const int M, vf out[QWIDE_GROUP])
+{
+    const int64_t groups = K / sub;
+    const float *s = w->s + h * groups * 16, *b = w->b + h * groups * 16;
+    for (int m = 0; m < M; m++) out[m] = vf_zero();
+    for (int64_t g = 0; g < groups; g++) {
+        vq acc[QWIDE_GROUP];
+        for (int m = 0; m < M; m++) acc[m] = vq_zero();
+        const uint8_t *u = wide_step(w, K, h, g * sub / 4);
+        if (chunk == 1) {
+            for (int step = 0; step < sub / 4; step++) {
+                const vq wv = vq_load(u + step * 64);
+                for (int m = 0; m < M; m++) {
+                    const vq xb = vq_bcast(a->q + (m0 + m) * K + g * sub + step * 4);
+                    acc[m] = vq_dot(acc[m], wv, xb);
+                }
+            }
+        } else {
+            for (int c0 = 0; c0 < sub / 4; c0 += chunk) {
+                vq part[QWIDE_GROUP];
+                for (int step = c0; step < c0 + chunk; step++) {
+                    const vq wv = vq_load(u + step * 64);
+                    for (int m = 0; m < M; m++) {
+                        const vq p = vq_pairs16(wv, vq_bcast(a->q + (m0 + m) * K + g * sub + step * 4));
+                        part[m] = step == c0 ? p : vq_add16(part[m], p);
+                        VQ_KEEP(part[m]);
+                    }
+                }
+                for (int m = 0; m < M; m++) acc[m] = vq_widen(acc[m], part[m]);
+            }
+        }
+        const vf sg = vf_loadu(s + g * 16);
+        for (int m = 0; m < M; m++) {
+            const int64_t row = m0 + m;
+            const float dx = a->d[row * (K / 32) + g * sub / 32];
+            out[m] = vf_fmadd(vq_float(acc[m]), vf_mul(sg, vf_set1(dx)), out[m]);
+            const int32_t *sums = a->sum16 + row * (K / 16) + g * sub / 16;
+            const int32_t xs = sub == 16 ? sums[0] : sums[0] + sums[1];
+            out[m] = vf_fnmadd(vf_loadu(b + g * 16), vf_set1(dx * (float)xs), out[m]);
+        }
+    }
+}
+
+#if QWIDE_GROUP == 4
+#define QWDISPATCH(call) switch (M) { \
+    case 1: { const int M_ = 1; call; } break; case 2: { const int M_ = 2; call; } break; \
+    case 3: { const int M_ = 3; call; } break; default: { const int M_ = 4; call; } break; }
+#elif QWIDE_GROUP == 3
+#define QWDISPATCH(call) switch (M) { \
+    case 1: { const int M_ = 1; call; } break; case 2: { const int M_ = 2; call; } break; \
+    default: { const int M_ = 3; call; } break; }
+#else
+#define QWDISPATCH(call) switch (M) { \
+    case 1: { const int M_ = 1; call; } break; default: { const int M_ = 2; call; } break; }
+#endif
+
+/* An unpacked block's 32 outputs for M (<= QWIDE_GROUP) rows from row m0. */
+static void wide_block(const qacts *a, int64_t m0, int64_t K, const qwide *w, int M,
+                       vf out[2][ROW_GROUP])
+{
+    for (int h = 0; h < 2; h++) {
+        vf half[QWIDE_GROUP];
+        switch (w->chunk) {  /* the formats' kernels */
+        case 2: QWDISPATCH(wide_cols(a, m0, K, w, h, 16, 2, M_, half)) break;
+        case 4: QWDISPATCH(wide_cols(a, m0, K, w, h, 32, 4, M_, half)) break;
+        case 8: QWDISPATCH(wide_cols(a, m0, K, w, h, 32, 8, M_, half)) break;
+        default:  /* VNNI */
+            if (w->sub == 16) { QWDISPATCH(wide_cols(a, m0, K, w, h, 16, 1, M_, half)) }
+            else { QWDISPATCH(wide_cols(a, m0, K, w, h, 32, 1, M_, half)) }
+        }
+        for (int m = 0; m < M; m++) out[h][m] = half[m];
+    }
+}
+
 /* Bytes of one 32-row block of a K-input projection stored as qtype. */
 static inline int64_t qblock_bytes(int64_t qtype, int64_t K)
 {
@@ -492,15 +736,28 @@ static void qproject(const sluice_proj *p, const void *x, int M, void *y, void *
     }
     int64_t first, count;
     thread_part((N + COLS - 1) / COLS, &first, &count);
-    for (int64_t blk = first; blk < first + count; blk++)
+    qwide wide = {NULL, NULL, NULL, 32, 1};
+    if (M >= QWIDE_ROWS || (M >= 3 && p->qtype == Q5_0)) wide = wide_at(K);
+    for (int64_t blk = first; blk < first + count; blk++) {
+        const int64_t qtype = p->block_qtypes ? p->block_qtypes[blk] : p->qtype;
+        const int64_t at = p->block_offsets ? p->block_offsets[blk] : blk * bytes;
+        if (wide.u && qtype != Q8_0) {  /* Q8_0: nothing to unpack */
+            unpack_block(qtype, (const uint8_t *)p->weight + at, K, &wide);
+            for (int m0 = 0; m0 < M; m0 += QWIDE_GROUP) {
+                const int rows = M - m0 < QWIDE_GROUP ? M - m0 : QWIDE_GROUP;
+                vf acc[2][ROW_GROUP];
+                wide_block(&a, m0, K, &wide, rows, acc);
+                store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16, y_f32);
+            }
+            continue;
+        }
         for (int m0 = 0; m0 < M; m0 += QROW_GROUP) {
             const int rows = M - m0 < QROW_GROUP ? M - m0 : QROW_GROUP;
             vf acc[2][ROW_GROUP];
-            const int64_t qtype = p->block_qtypes ? p->block_qtypes[blk] : p->qtype;
-            const int64_t at = p->block_offsets ? p->block_offsets[blk] : blk * bytes;
             block_qcols(qtype, &a, m0, K, (const uint8_t *)p->weight + at, rows, acc);
             store_block(p, acc, m0, rows, blk * COLS, y, residual, bf16, y_f32);
         }
+    }
     #pragma omp barrier
 }
 
