@@ -184,17 +184,19 @@ static inline vf vf_from_u8(const void *p) {
 #endif
 
 /* The step's input rows, quantized: q [M][K] int8, d [M][K/32] (q * d ~ x), and the sum
-   of q over each 16 inputs [M][K/16]. */
+   of q over each 16 inputs [M][K/16]; for the many-row products also those sums times d,
+   over 16 and 32 inputs (xsum16 [M][K/16], xsum32 [M][K/32]; NULL when not made). */
 typedef struct {
     int8_t *q;
     float *d;
     int32_t *sum16;
+    float *xsum16, *xsum32;
 } qacts;
 
 /* Bytes of scratch quantized rows need: M rows of K inputs (sluice_quant_scratch_bytes). */
 static inline int64_t qacts_bytes(int64_t M, int64_t K)
 {
-    return M * K + M * (K / 32) * 4 + M * (K / 16) * 4 + 192;
+    return M * K + 2 * M * (K / 32) * 4 + 2 * M * (K / 16) * 4 + 320;
 }
 
 static inline qacts qacts_at(void *scratch, int64_t M, int64_t K)
@@ -204,6 +206,8 @@ static inline qacts qacts_at(void *scratch, int64_t M, int64_t K)
     a.q = (int8_t *)at;
     a.d = (float *)(at + ((M * K + 63) & ~63));
     a.sum16 = (int32_t *)((char *)a.d + ((M * (K / 32) * 4 + 63) & ~63));
+    a.xsum16 = (float *)((char *)a.sum16 + ((M * (K / 16) * 4 + 63) & ~63));
+    a.xsum32 = (float *)((char *)a.xsum16 + ((M * (K / 16) * 4 + 63) & ~63));
     return a;
 }
 
@@ -226,6 +230,11 @@ static inline void quantize_group(const void *x, int64_t m, int64_t g, int64_t K
     a.d[m * groups + g] = d;
     a.sum16[m * (K / 16) + 2 * g] = s0;
     a.sum16[m * (K / 16) + 2 * g + 1] = s1;
+    if (a.xsum16) {
+        a.xsum16[m * (K / 16) + 2 * g] = d * (float)s0;
+        a.xsum16[m * (K / 16) + 2 * g + 1] = d * (float)s1;
+        a.xsum32[m * groups + g] = d * (float)(s0 + s1);
+    }
 }
 
 /* x [M][K] (float32 or bfloat16) quantized into a, 32 values at a time (shared out
@@ -463,7 +472,7 @@ static void block_qcols(int64_t qtype, const qacts *a, int64_t m0, int64_t K, co
 #if SIMD16_ISA == 512
 #define QWIDE_GROUP 4  /* rows the unpacked products hold at once */
 #else
-#define QWIDE_GROUP 3  /* 16 ymm: per row an accumulator and an output, two registers each */
+#define QWIDE_GROUP 3  /* 16 ymm (4 within noise of 3 here; 5 and 6 spill: 0.4-0.6x) */
 #endif
 #endif
 _Static_assert(QWIDE_GROUP <= ROW_GROUP, "store_block takes ROW_GROUP rows");
@@ -656,9 +665,8 @@ wide_cols(const qacts *a, int64_t m0, int64_t K, const qwide *w, int h, const in
             const int64_t row = m0 + m;
             const float dx = a->d[row * (K / 32) + g * sub / 32];
             out[m] = vf_fmadd(vq_float(acc[m]), vf_mul(sg, vf_set1(dx)), out[m]);
-            const int32_t *sums = a->sum16 + row * (K / 16) + g * sub / 16;
-            const int32_t xs = sub == 16 ? sums[0] : sums[0] + sums[1];
-            out[m] = vf_fnmadd(vf_loadu(b + g * 16), vf_set1(dx * (float)xs), out[m]);
+            const float xs = sub == 16 ? a->xsum16[row * (K / 16) + g] : a->xsum32[row * (K / 32) + g];
+            out[m] = vf_fnmadd(vf_loadu(b + g * 16), vf_set1(xs), out[m]);
         }
     }
 }
@@ -727,7 +735,7 @@ static void qproject(const sluice_proj *p, const void *x, int M, void *y, void *
     int32_t own_sums[PRIVATE_ROWS * PRIVATE_WIDTH / 16];
     qacts a;
     if (M <= PRIVATE_ROWS && K <= PRIVATE_WIDTH) {
-        a.q = own_q; a.d = own_d; a.sum16 = own_sums;
+        a.q = own_q; a.d = own_d; a.sum16 = own_sums; a.xsum16 = a.xsum32 = NULL;
         for (int m = 0; m < M; m++)
             for (int64_t g = 0; g < K / 32; g++) quantize_group(x, m, g, K, bf16, a);
     } else {
@@ -737,7 +745,7 @@ static void qproject(const sluice_proj *p, const void *x, int M, void *y, void *
     int64_t first, count;
     thread_part((N + COLS - 1) / COLS, &first, &count);
     qwide wide = {NULL, NULL, NULL, 32, 1};
-    if (M >= QWIDE_ROWS || (M >= 3 && p->qtype == Q5_0)) wide = wide_at(K);
+    if (a.xsum16 && (M >= QWIDE_ROWS || (M >= 3 && p->qtype == Q5_0))) wide = wide_at(K);
     for (int64_t blk = first; blk < first + count; blk++) {
         const int64_t qtype = p->block_qtypes ? p->block_qtypes[blk] : p->qtype;
         const int64_t at = p->block_offsets ? p->block_offsets[blk] : blk * bytes;
