@@ -290,6 +290,27 @@ qcols_8(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, int offset, co
     }
 }
 
+/* One step (8 inputs) of a block's weights as values, v[0..3]: outputs 0-15's inputs 0-3,
+   their inputs 4-7, then outputs 16-31's the same. The 4-bit formats' nibbles (Q5_0: with
+   `fifth`, the step's four masks of fifth bits) at ws; Q6_K's nibbles and high bit pairs
+   (q6_step). The products of few rows decode a step in registers for each group of rows,
+   those of many rows once into a buffer (unpack_block). */
+static inline __attribute__((always_inline)) void
+nibble_step(const uint8_t *ws, const uint64_t *fifth, vq v[4])
+{
+    const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
+    v[0] = vq_lo4(v0); v[1] = vq_hi4(v0); v[2] = vq_lo4(v1); v[3] = vq_hi4(v1);
+    if (fifth)
+        for (int i = 0; i < 4; i++) v[i] = vq_fifth(v[i], fifth[i]);
+}
+
+static inline __attribute__((always_inline)) void q6_step(const uint8_t *ws, vq v[4])
+{
+    const vq v0 = vq_load(ws), v1 = vq_load(ws + 64), h = vq_load(ws + 128);
+    v[0] = vq_or(vq_lo4(v0), vq_high2(h, 0)); v[1] = vq_or(vq_hi4(v0), vq_high2(h, 1));
+    v[2] = vq_or(vq_lo4(v1), vq_high2(h, 2)); v[3] = vq_or(vq_hi4(v1), vq_high2(h, 3));
+}
+
 /* Q5_0: 5-bit weights (0..31) as 4-bit nibbles and a plane of fifth bits, d per 32
    inputs, value d * (q - 16): the 4-bit formats' loop with the fifth bits or-ed in. */
 /* One group of 32 inputs of a 4-bit block (Q5_0's too: `fifth` non-NULL adds its fifth
@@ -309,13 +330,9 @@ nibble_group(const qacts *a, int64_t m0, int64_t K, int64_t g, const uint8_t *wb
         const uint8_t *ws = w + step * 128;
         _mm_prefetch((const char *)(ws + Q_AHEAD), Q_HINT);
         _mm_prefetch((const char *)(ws + Q_AHEAD + 64), Q_HINT);
-        const vq v0 = vq_load(ws), v1 = vq_load(ws + 64);
-        vq lo0 = vq_lo4(v0), hi0 = vq_hi4(v0), lo1 = vq_lo4(v1), hi1 = vq_hi4(v1);
-        if (fifth) {  /* rows 0-15 low, high; rows 16-31 low, high */
-            const uint64_t *f = fifth + (g * 4 + step) * 4;
-            lo0 = vq_fifth(lo0, f[0]); hi0 = vq_fifth(hi0, f[1]);
-            lo1 = vq_fifth(lo1, f[2]); hi1 = vq_fifth(hi1, f[3]);
-        }
+        vq v[4];
+        nibble_step(ws, fifth ? fifth + (g * 4 + step) * 4 : NULL, v);
+        const vq lo0 = v[0], hi0 = v[1], lo1 = v[2], hi1 = v[3];
         for (int m = 0; m < M; m++) {
             const int8_t *xq = a->q + (m0 + m) * K + g * 32 + step * 8;
             const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
@@ -381,9 +398,9 @@ qcols_6k(const qacts *a, int64_t m0, int64_t K, const uint8_t *wb, const int M, 
             _mm_prefetch((const char *)(ws + Q_AHEAD), Q_HINT);
             _mm_prefetch((const char *)(ws + Q_AHEAD + 64), Q_HINT);
             _mm_prefetch((const char *)(ws + Q_AHEAD + 128), Q_HINT);
-            const vq v0 = vq_load(ws), v1 = vq_load(ws + 64), h = vq_load(ws + 128);
-            const vq lo0 = vq_or(vq_lo4(v0), vq_high2(h, 0)), hi0 = vq_or(vq_hi4(v0), vq_high2(h, 1));
-            const vq lo1 = vq_or(vq_lo4(v1), vq_high2(h, 2)), hi1 = vq_or(vq_hi4(v1), vq_high2(h, 3));
+            vq v[4];
+            q6_step(ws, v);
+            const vq lo0 = v[0], hi0 = v[1], lo1 = v[2], hi1 = v[3];
             for (int m = 0; m < M; m++) {
                 const int8_t *xq = a->q + (m0 + m) * K + g * 16 + step * 8;
                 const vq xl = vq_bcast(xq), xh = vq_bcast(xq + 4);
@@ -559,6 +576,15 @@ static inline uint8_t *wide_step(const qwide *w, int64_t K, int h, int64_t t)
     return w->u + h * 16 * K + t * 64;
 }
 
+/* A decoded step of 8 inputs (nibble_step's order) into u: steps 2*t8 and 2*t8 + 1. */
+static inline void store_step(const qwide *w, int64_t K, int64_t t8, const vq v[4])
+{
+    vq_storeu(wide_step(w, K, 0, 2 * t8), v[0]);
+    vq_storeu(wide_step(w, K, 0, 2 * t8 + 1), v[1]);
+    vq_storeu(wide_step(w, K, 1, 2 * t8), v[2]);
+    vq_storeu(wide_step(w, K, 1, 2 * t8 + 1), v[3]);
+}
+
 /* Block wb of qtype (K inputs, not Q8_0) into w. */
 static void unpack_block(int64_t qtype, const uint8_t *wb, int64_t K, qwide *w)
 {
@@ -570,12 +596,9 @@ static void unpack_block(int64_t qtype, const uint8_t *wb, int64_t K, qwide *w)
         const uint16_t *d = (const uint16_t *)(wb + 24 * K);
         const int8_t *sc = (const int8_t *)(wb + 24 * K + (K / 256) * 64);
         for (int64_t t8 = 0; t8 < K / 8; t8++) {
-            const uint8_t *src = wb + t8 * 192;
-            const vq v0 = vq_load(src), v1 = vq_load(src + 64), hb = vq_load(src + 128);
-            vq_storeu(wide_step(w, K, 0, 2 * t8), vq_or(vq_lo4(v0), vq_high2(hb, 0)));
-            vq_storeu(wide_step(w, K, 0, 2 * t8 + 1), vq_or(vq_hi4(v0), vq_high2(hb, 1)));
-            vq_storeu(wide_step(w, K, 1, 2 * t8), vq_or(vq_lo4(v1), vq_high2(hb, 2)));
-            vq_storeu(wide_step(w, K, 1, 2 * t8 + 1), vq_or(vq_hi4(v1), vq_high2(hb, 3)));
+            vq v[4];
+            q6_step(wb + t8 * 192, v);
+            store_step(w, K, t8, v);
         }
         for (int64_t g = 0; g < groups; g++) {
             const vf dd0 = vf_from_f16(d + (g / 16) * 32), dd1 = vf_from_f16(d + (g / 16) * 32 + 16);
@@ -590,18 +613,9 @@ static void unpack_block(int64_t qtype, const uint8_t *wb, int64_t K, qwide *w)
     /* the 4-bit formats and Q5_0: nibbles (and Q5_0's fifth bits) */
     const uint64_t *fifth = qtype == Q5_0 ? (const uint64_t *)(wb + 16 * K) : NULL;
     for (int64_t t8 = 0; t8 < K / 8; t8++) {
-        const uint8_t *src = wb + t8 * 128;
-        const vq v0 = vq_load(src), v1 = vq_load(src + 64);
-        vq lo0 = vq_lo4(v0), hi0 = vq_hi4(v0), lo1 = vq_lo4(v1), hi1 = vq_hi4(v1);
-        if (fifth) {
-            const uint64_t *f = fifth + t8 * 4;
-            lo0 = vq_fifth(lo0, f[0]); hi0 = vq_fifth(hi0, f[1]);
-            lo1 = vq_fifth(lo1, f[2]); hi1 = vq_fifth(hi1, f[3]);
-        }
-        vq_storeu(wide_step(w, K, 0, 2 * t8), lo0);
-        vq_storeu(wide_step(w, K, 0, 2 * t8 + 1), hi0);
-        vq_storeu(wide_step(w, K, 1, 2 * t8), lo1);
-        vq_storeu(wide_step(w, K, 1, 2 * t8 + 1), hi1);
+        vq v[4];
+        nibble_step(wb + t8 * 128, fifth ? fifth + t8 * 4 : NULL, v);
+        store_step(w, K, t8, v);
     }
     if (qtype == Q5_0) {
         const uint16_t *d = (const uint16_t *)(wb + 20 * K);
