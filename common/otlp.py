@@ -4,9 +4,11 @@ Why not the SDK's span objects and exporter: measured on the tiny model's bulk
 load (2 cores), the SDK spent ~450 us making a request's seven spans
 (`Tracer.start_span`, attribute cleaning, locks) and ~300 us encoding them —
 about a fifth of the worker's throughput. Here a finished span is one tuple
-appended to a deque on the request path; this module's thread hands batches to
-a process of its own (`python -m common.otlp`), which encodes them straight into
-the OTLP protobuf messages (upb, ~125 us a request) and posts them. What the
+appended to a deque on the request path (a worker's request, one tuple of its
+stages for all seven: `common.tracing.RequestSpans`); this module's thread hands
+batches to a process of its own (`python -m common.otlp`), which makes the
+request's spans, encodes them straight into the OTLP protobuf messages (upb,
+~125 us a request) and posts them. What the
 SDK does well is still the SDK's: the resource (OTEL_SERVICE_NAME,
 OTEL_RESOURCE_ATTRIBUTES), the sampler (OTEL_TRACES_SAMPLER), the event limit
 (OTEL_SPAN_EVENT_COUNT_LIMIT), the header syntax (OTEL_EXPORTER_OTLP_HEADERS).
@@ -167,17 +169,26 @@ def _encode_span(out: Any, s: Finished) -> None:
         span.status.message = s.error
 
 
-def encode(spans: Sequence[Finished], resource: Mapping[str, Any], scope: str) -> bytes:
-    """One ExportTraceServiceRequest of `spans`, serialized."""
+def encode(spans: Sequence[Any], resource: Mapping[str, Any], scope: str) -> bytes:
+    """One ExportTraceServiceRequest of `spans` (each a `Finished`, or a worker's
+    request, `common.tracing.RequestSpans`, whose spans are made here), serialized."""
     request = ExportTraceServiceRequest()
     resource_spans = request.resource_spans.add()
     for key, value in resource.items():
         _put(resource_spans.resource.attributes, key, value)
     scope_spans = resource_spans.scope_spans.add(scope=InstrumentationScope(name=scope))
     out = scope_spans.spans
-    for span in spans:
-        _encode_span(out, span)
+    for item in spans:
+        if type(item) is Finished:
+            _encode_span(out, item)
+        else:
+            for span in item.spans():
+                _encode_span(out, span)
     return request.SerializeToString()
+
+
+def _num_spans(item: Any) -> int:
+    return 1 if type(item) is Finished else item.num_spans
 
 
 def _env(env: Mapping[str, str], name: str, default: str = "") -> str:
@@ -218,13 +229,14 @@ class Poster:
         if options.cert:
             self._session.cert = options.cert
 
-    def post(self, batch: list[Finished], retry: bool) -> str | None:
-        """Export `batch`; None when done, else why it was not."""
+    def post(self, batch: list[Any], retry: bool) -> str | None:
+        """Export `batch` (as `encode` takes it); None when done, else why it was not."""
         o = self.options
+        count = sum(_num_spans(item) for item in batch)
         try:
             data = encode(batch, o.resource, o.scope)
         except Exception as exc:
-            return f"{len(batch)} spans could not be encoded; dropped ({exc!r})"
+            return f"{count} spans could not be encoded; dropped ({exc!r})"
         if o.gzip:
             data = gzip.compress(data)
         backoff = 0.5
@@ -240,7 +252,7 @@ class Poster:
             except requests.RequestException as exc:
                 why, again = f"{type(exc).__name__}: {exc}", True
             if not (retry and again) or time.monotonic() + backoff > deadline:
-                return f"{len(batch)} spans not exported to {o.endpoint}: {why}"
+                return f"{count} spans not exported to {o.endpoint}: {why}"
             time.sleep(backoff)
             backoff *= 2
 
@@ -274,7 +286,7 @@ class _EncodingProcess:
         stdout.close()
         self._to.send(options)
 
-    def post(self, batch: list[Finished], retry: bool) -> str | None:
+    def post(self, batch: list[Any], retry: bool) -> str | None:
         self._to.send_bytes(pickle.dumps((batch, retry), pickle.HIGHEST_PROTOCOL))
         return self._from.recv()
 
@@ -337,7 +349,11 @@ class Exporter:
         self._delay_s = _number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self._max_queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048))
         self._max_batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
-        self._queue: collections.deque[Finished] = collections.deque()
+        self._queue: collections.deque[Any] = collections.deque()  # Finished, RequestSpans
+        # Spans queued: added (the request path's count) less taken (the export thread's),
+        # each written by one thread only.
+        self._added = 0
+        self._taken = 0
         self._wake = threading.Event()
         self._exporting = False
         self._stopping = False
@@ -348,14 +364,17 @@ class Exporter:
         self._thread = threading.Thread(target=self._run, name="sluice-otlp", daemon=True)
         self._thread.start()
 
-    def add(self, span: Finished) -> None:
-        """Queue a finished span (the request path: an append, never a wait)."""
-        queue = self._queue
-        if len(queue) >= self._max_queue:
-            self.num_dropped += 1
+    def add(self, item: Any) -> None:
+        """Queue a finished span, or a worker's request (`common.tracing.RequestSpans`):
+        the request path's append, never a wait."""
+        count = _num_spans(item)
+        queued = self._added - self._taken
+        if queued + count > self._max_queue:
+            self.num_dropped += count
             return
-        queue.append(span)
-        if len(queue) == self._max_batch:
+        self._queue.append(item)
+        self._added += count
+        if queued < self._max_batch <= queued + count:
             self._wake.set()
 
     def export_now(self) -> None:
@@ -381,9 +400,13 @@ class Exporter:
                 stopping = self._stopping
                 self._exporting = True
                 while self._queue:
-                    batch = [self._queue.popleft()
-                             for _ in range(min(self._max_batch, len(self._queue)))]
-                    self._export(batch, retry=not stopping)
+                    batch, count = [], 0
+                    while self._queue and count < self._max_batch:
+                        item = self._queue.popleft()
+                        batch.append(item)
+                        count += _num_spans(item)
+                    self._taken += count
+                    self._export(batch, count, retry=not stopping)
                 self._exporting = False
                 if self.num_dropped:
                     self._warn(f"{self.num_dropped} spans dropped: the export queue "
@@ -396,7 +419,7 @@ class Exporter:
             if self._poster is not None:
                 self._poster.close()
 
-    def _export(self, batch: list[Finished], retry: bool) -> None:
+    def _export(self, batch: list[Any], count: int, retry: bool) -> None:
         try:
             if self._poster is None:
                 self._poster = _EncodingProcess(self.options)
@@ -406,9 +429,9 @@ class Exporter:
             if self._poster is not None:
                 self._poster.close(timeout_s=1)
             self._poster = None
-            why = f"{len(batch)} spans not exported: the encoding process failed ({exc!r})"
+            why = f"{count} spans not exported: the encoding process failed ({exc!r})"
         if why is None:
-            self.num_exported += len(batch)
+            self.num_exported += count
         else:
             self._warn(why)
 
@@ -421,4 +444,7 @@ class Exporter:
 
 
 if __name__ == "__main__":
-    _serve_pipe()
+    # As the module, not __main__: the spans unpickled here are common.otlp's classes.
+    from common.otlp import _serve_pipe as serve
+
+    serve()

@@ -3,9 +3,10 @@
 Each admitted request gets one span, a child of the span its record's
 `traceparent` names (a new trace without one), begun at the record's broker
 timestamp; its reply records carry that span's `traceparent`. The rest is
-recorded as plain timestamps while the request runs — a model step appends one
-tuple per request that rode in it — and turned into child spans once its
-offset is committed (or it ends without a commit to wait for)::
+recorded as plain timestamps while the request runs — a model step appends four
+numbers to each request's array that rode in it — and handed to the exporter once
+its offset is committed (or it ends without a commit to wait for), as one tuple
+that the encoding process turns into the child spans (`common.tracing.RequestSpans`)::
 
     sluice.request (consumer)   record timestamp -> offset committed
       queue wait                record timestamp -> read by this worker
@@ -28,13 +29,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batcher import types as bt
 from batcher.engine import StepStats
-from common.tracing import Attributes, Span, Step, Tracing
+from common.tracing import Attributes, Span, Stages, Tracing
 from ingest.verdicts import Admitted
 from results.inflight import InFlight
 
@@ -45,7 +47,8 @@ class RequestTrace:
     arrival: float  # the record's broker timestamp
     read: float
     submitted: float = 0.0
-    steps: list[Step] = field(default_factory=list)
+    # Four numbers a step it rode in (`common.tracing.Stages.steps`).
+    steps: array = field(default_factory=lambda: array("d"))
     ended: float = 0.0  # the engine's terminal event
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -91,7 +94,7 @@ class RequestTracer:
         for key, num_tokens in stats.num_scheduled_tokens.items():
             ctx = step_of(key)
             if ctx is not None and ctx.trace is not None:
-                ctx.trace.steps.append((stats.started_at, stats.seconds, num_tokens,
+                ctx.trace.steps.extend((stats.started_at, stats.seconds, num_tokens,
                                         stats.num_seqs))
 
     def ending(self, ctx: InFlight, event: bt.Event) -> None:
@@ -186,26 +189,11 @@ class RequestTracer:
 
     def _emit(self, trace: RequestTrace, committed: float | None,
               end: float | None = None) -> None:
-        """The request's child spans, then its own span's end."""
-        span, tracing = trace.span, self.tracing
-        tracing.span(span, "queue wait", trace.arrival, trace.read)
-        started = trace.first_scheduled or (trace.steps[0][0] if trace.steps else trace.ended)
-        tracing.span(span, "admission", trace.read, started,
-                     events=[("submitted", trace.submitted, {})])
-        if trace.steps or trace.first_token is not None:
-            first_token = trace.first_token or trace.ended
-            prefill = [s for s in trace.steps if s[0] < first_token]
-            decode = trace.steps[len(prefill):]
-            tracing.span(span, "prefill", started, first_token,
-                         attributes={"sluice.steps": len(prefill)}, steps=prefill)
-            if trace.first_token is not None:
-                tracing.span(span, "decode", first_token, trace.ended,
-                             attributes={"sluice.steps": len(decode)}, steps=decode)
-        if trace.acked:
-            tracing.span(span, "delivery", trace.sent, trace.acked)
-            if committed is not None:
-                tracing.span(span, "commit", trace.acked, committed)
+        """The request's span ended, with its stages for the child spans."""
         final = committed or end or trace.acked or trace.ended
         attributes: Attributes = {**trace.attributes, "sluice.outcome": trace.outcome,
                                   "sluice.committed": committed is not None}
-        tracing.end(span, final, attributes=attributes, error=trace.error)
+        self.tracing.end(trace.span, final, attributes=attributes, error=trace.error,
+                         stages=Stages(trace.arrival, trace.read, trace.submitted,
+                                       trace.first_scheduled, trace.first_token, trace.ended,
+                                       trace.steps, trace.sent, trace.acked, committed))

@@ -16,6 +16,8 @@ from batcher import types as bt
 from batcher.engine import StepStats
 from common.otlp import Finished, encode
 from common.tracing import (
+    RequestSpans,
+    Stages,
     Tracing,
     context_headers,
     parse_traceparent,
@@ -111,8 +113,9 @@ class Collected:
     def __init__(self) -> None:
         self.spans: list[Finished] = []
 
-    def add(self, span: Finished) -> None:
-        self.spans.append(span)
+    def add(self, item: Finished | RequestSpans) -> None:
+        # A worker's request comes as one tuple; the encoding process makes its spans.
+        self.spans.extend([item] if isinstance(item, Finished) else item.spans())
 
     def shutdown(self) -> None:
         pass
@@ -233,6 +236,40 @@ def test_a_failed_request_ends_with_an_error_and_a_revoked_one_uncommitted(expor
     assert root.parent_id == b"" and "internal: boom" in root.error
     assert root.attributes["sluice.committed"] is False and "commit" not in by_name
     assert "delivery" in by_name and "prefill" not in by_name
+
+
+def test_a_request_handed_over_whole_counts_and_encodes_the_spans_it_makes() -> None:
+    """The exporter's bound and count take a request's tuple as the spans the encoding
+    process makes of it, at every stage a request can end in; `encode` makes them."""
+    from array import array
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    root = Finished(b"t" * 16, b"r" * 8, b"", "", "sluice.request", 5, 1, 9, {}, (), (), None)
+    two_steps = array("d", [1.5, 0.01, 3, 1, 2.5, 0.01, 1, 2])
+    stages = [  # first token, steps, acked, committed
+        Stages(1.0, 1.1, 1.1, None, None, 1.2, array("d"), 0.0, 0.0, None),  # cancelled
+        Stages(1.0, 1.1, 1.1, None, None, 1.2, array("d"), 1.2, 1.3, None),  # failed, acked
+        Stages(1.0, 1.1, 1.1, 1.5, None, 1.6, two_steps[:4], 1.6, 1.7, 1.8),  # prefill only
+        Stages(1.0, 1.1, 1.1, 1.5, 2.0, 3.0, two_steps, 3.0, 3.1, 3.2),  # done, committed
+        Stages(1.0, 1.1, 1.1, 1.5, 2.0, 3.0, two_steps, 3.0, 3.1, None),  # revoked
+    ]
+    names = {"sluice.request", "queue wait", "admission", "prefill", "decode", "delivery",
+             "commit"}
+    for st in stages:
+        item = RequestSpans(root, st, 1)
+        spans = item.spans()
+        assert item.num_spans == len(spans) and {s.name for s in spans} <= names
+        assert all(len(s.steps) <= 1 for s in spans)  # the event limit
+        wire = ExportTraceServiceRequest.FromString(encode([item, root], {}, "sluice"))
+        decoded = wire.resource_spans[0].scope_spans[0].spans
+        assert [s.name for s in decoded] == [s.name for s in spans] + ["sluice.request"]
+    done = {s.name: s for s in RequestSpans(root, stages[3], None).spans()}
+    assert [step[2:] for step in done["prefill"].steps] == [(3, 1)]
+    assert [step[2:] for step in done["decode"].steps] == [(1, 2)]
+    assert done["commit"].end_ns == 3_200_000_000
 
 
 def test_an_unsampled_producer_trace_is_continued_but_not_recorded(exported) -> None:
