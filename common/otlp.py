@@ -5,7 +5,8 @@ load (2 cores), the SDK spent ~450 us making a request's seven spans
 (`Tracer.start_span`, attribute cleaning, locks) and ~300 us encoding them —
 about a fifth of the worker's throughput. Here a finished span is one tuple
 appended to a deque on the request path (a worker's request, one tuple of its
-stages for all seven: `common.tracing.RequestSpans`); this module's thread hands
+stages for all seven, `common.tracing.RequestSpans`, queued, exported or dropped
+whole); this module's thread hands
 batches to a process of its own (`python -m common.otlp`), which makes the
 request's spans, encodes them straight into the OTLP protobuf messages (upb,
 ~125 us a request) and posts them. What the
@@ -348,8 +349,10 @@ class Exporter:
             resource=dict(resource), scope=scope)
         self._delay_s = _number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self._max_queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048))
-        self._max_batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
-        self._queue: collections.deque[Any] = collections.deque()  # Finished, RequestSpans
+        self._max_batch = max(1, int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)))
+        # (a Finished span or a worker's RequestSpans, how many spans it is), whole: a
+        # request's spans are queued, exported or dropped together.
+        self._queue: collections.deque[tuple[Any, int]] = collections.deque()
         # Spans queued: added (the request path's count) less taken (the export thread's),
         # each written by one thread only.
         self._added = 0
@@ -372,7 +375,7 @@ class Exporter:
         if queued + count > self._max_queue:
             self.num_dropped += count
             return
-        self._queue.append(item)
+        self._queue.append((item, count))
         self._added += count
         if queued < self._max_batch <= queued + count:
             self._wake.set()
@@ -401,10 +404,12 @@ class Exporter:
                 self._exporting = True
                 while self._queue:
                     batch, count = [], 0
-                    while self._queue and count < self._max_batch:
-                        item = self._queue.popleft()
+                    # Up to the batch size (a request's spans over it go in the next).
+                    while self._queue and (not batch
+                                           or count + self._queue[0][1] <= self._max_batch):
+                        item, n = self._queue.popleft()
                         batch.append(item)
-                        count += _num_spans(item)
+                        count += n
                     self._taken += count
                     self._export(batch, count, retry=not stopping)
                 self._exporting = False

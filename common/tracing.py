@@ -20,10 +20,11 @@ name, resource attributes and sampler are the SDK's own reading of its
 Off, nothing here imports opentelemetry and a `Tracing` is one falsy check;
 asked for with the `otel` extra missing, it says so in one log line and stays
 off. Spans carry explicit start and end times: the request path records plain
-timestamps, and a request's spans are made once it ends (`Tracing.span`: a
-tuple queued for the export thread), so a model step costs an array append. A
-worker's request goes to the exporter as one tuple of its stages' moments
-(`RequestSpans`), its child spans made by the encoding process.
+timestamps (a model step: four numbers appended to an array), and a finished
+span is a tuple queued for the export thread (`Tracing.span`, `Tracing.end`). A
+worker's request goes to the exporter once it ends as one tuple, its span and
+its stages' moments (`RequestSpans`): its child spans are made by the encoding
+process.
 """
 
 from __future__ import annotations

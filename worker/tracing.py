@@ -1,4 +1,4 @@
-"""A request's trace in a worker: moments recorded as it goes, spans made when it ends.
+"""A request's trace in a worker: moments recorded as it goes, exported when it ends.
 
 Each admitted request gets one span, a child of the span its record's
 `traceparent` names (a new trace without one), begun at the record's broker

@@ -272,6 +272,76 @@ def test_a_request_handed_over_whole_counts_and_encodes_the_spans_it_makes() -> 
     assert done["commit"].end_ns == 3_200_000_000
 
 
+class _Collector:
+    """An OTLP/HTTP endpoint on 127.0.0.1 keeping each posted body."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def span_names(self) -> list[list[str]]:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        return [[s.name for s in ExportTraceServiceRequest.FromString(body)
+                 .resource_spans[0].scope_spans[0].spans] for body in self.bodies]
+
+
+def test_the_exporter_bounds_batches_and_queue_in_spans_and_drops_a_request_whole() -> None:
+    """Through the real exporter and its encoding process: a worker's request counts as
+    its seven spans against OTEL_BSP_MAX_QUEUE_SIZE and the batch size, is dropped
+    whole when it does not fit, and arrives as its spans."""
+    from array import array
+
+    from common.otlp import Exporter
+
+    root = Finished(b"t" * 16, b"r" * 8, b"", "", "sluice.request", 5, 1, 9, {}, (), (), None)
+    steps = array("d", [1.5, 0.01, 3, 1, 2.5, 0.01, 1, 2])
+    request = RequestSpans(root, Stages(1.0, 1.1, 1.1, 1.5, 2.0, 3.0, steps, 3.0, 3.1, 3.2),
+                           None)
+    assert request.num_spans == 7
+    collector = _Collector()
+    try:
+        # Bound 20 spans, a batch of up to 100, never exported before the shutdown.
+        exporter = Exporter({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url,
+                             "OTEL_BSP_MAX_QUEUE_SIZE": "20",
+                             "OTEL_BSP_SCHEDULE_DELAY": "600000"}, {}, "sluice")
+        for item in (request, request, root, request):  # 7 + 7 + 1, then 7 over 20
+            exporter.add(item)
+        assert exporter.num_dropped == 7
+        exporter.shutdown()
+        assert exporter.num_exported == 15
+        assert sorted(collector.span_names()[0]) == sorted(
+            [s.name for s in request.spans()] * 2 + ["sluice.request"])
+        # Batches of at most 10 spans: a request that would overflow one starts the next.
+        collector.bodies.clear()
+        exporter = Exporter({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url,
+                             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "10"}, {}, "sluice")
+        for item in (request, root, request, root, root, request):
+            exporter.add(item)
+        exporter.shutdown()
+        sizes = [len(names) for names in collector.span_names()]
+        assert exporter.num_exported == sum(sizes) == 24 and max(sizes) <= 10
+    finally:
+        collector.server.shutdown()
+
+
 def test_an_unsampled_producer_trace_is_continued_but_not_recorded(exported) -> None:
     tracing, collected = exported
     unsampled = f"00-{TRACE_ID}-00f067aa0ba902b7-00"
