@@ -414,11 +414,11 @@ class TransactionCommitter:
         # else: the next commit of the port raises it (and stops the worker)
 
     def _report_fenced(self, tp: Any, port: TransactionalProducerPort) -> None:
+        _settle_fenced(port.producer)
         if port.reported or port.released:
             # A released port's fence is its successor's (or its new owner's) doing.
             return
         port.reported = True
-        _settle_fenced(port.producer)
         why = (f"partition {tp.partition}'s transactional id "
                f"{port.transactional_id} was taken over by another worker")
         port.fail_waiting(PartitionFenced(why))
