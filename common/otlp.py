@@ -6,11 +6,10 @@ load (2 cores), the SDK spent ~450 us making a request's seven spans
 about a fifth of the worker's throughput. Here a finished span is one tuple
 appended to a deque on the request path (a worker's request, one tuple of its
 stages for all seven, `common.tracing.RequestSpans`, queued, exported or dropped
-whole); this module's thread hands
-batches to a process of its own (`python -m common.otlp`), which makes the
-request's spans, encodes them straight into the OTLP protobuf messages (upb,
-~125 us a request) and posts them. What the
-SDK does well is still the SDK's: the resource (OTEL_SERVICE_NAME,
+whole); this module's thread hands batches to a process of its own (`python -m
+common.otlp`), which makes the request's spans, encodes them straight into the
+OTLP protobuf messages (upb, ~125 us a request) and posts them. What the SDK does
+well is still the SDK's: the resource (OTEL_SERVICE_NAME,
 OTEL_RESOURCE_ATTRIBUTES), the sampler (OTEL_TRACES_SAMPLER), the event limit
 (OTEL_SPAN_EVENT_COUNT_LIMIT), the header syntax (OTEL_EXPORTER_OTLP_HEADERS).
 

@@ -21,7 +21,7 @@ Off, nothing here imports opentelemetry and a `Tracing` is one falsy check;
 asked for with the `otel` extra missing, it says so in one log line and stays
 off. Spans carry explicit start and end times: the request path records plain
 timestamps (a model step: four numbers appended to an array), and a finished
-span is a tuple queued for the export thread (`Tracing.span`, `Tracing.end`). A
+span is a tuple queued for the export thread (`Tracing.end`). A
 worker's request goes to the exporter once it ends as one tuple, its span and
 its stages' moments (`RequestSpans`): its child spans are made by the encoding
 process.
@@ -44,8 +44,6 @@ TRACESTATE = "tracestate"
 # A record's headers as aiokafka and confluent-kafka hand them over.
 Headers = list[tuple[str, bytes]]
 Attributes = Mapping[str, str | bool | int | float]
-# (name, wall-clock seconds, attributes): an event of a span.
-SpanEvent = tuple[str, float, Attributes]
 # A model step a request rode in: (started, seconds, its tokens, requests in the step).
 Step = tuple[float, float, int, int]
 
@@ -347,21 +345,6 @@ class Tracing:
         decision = self._sampler.should_sample(parent, int.from_bytes(trace_id, "big"), name,
                                                trace.SpanKind[kind.upper()])
         return bool(decision.decision.is_sampled())
-
-    def span(self, parent: Span, name: str, start: float, end: float, *,
-             attributes: Attributes | None = None, events: Sequence[SpanEvent] = (),
-             steps: Sequence[Step] = (), error: str | None = None) -> None:
-        """A finished child span of `parent`, from `start` to `end` (wall seconds), with
-        `events` and a `step` event per model step in `steps`."""
-        if not parent.sampled:
-            return
-        start_ns = _ns(start)
-        limit = self.max_events
-        self._exporter.add(self._otlp.Finished(
-            parent.trace_id, self._random.getrandbits(64).to_bytes(8, "big"), parent.span_id,
-            parent.trace_state, name, self._otlp.INTERNAL, start_ns, max(start_ns, _ns(end)),
-            attributes, [(n, _ns(at), a) for n, at, a in events],
-            steps if limit is None or len(steps) <= limit else steps[:limit], error))
 
     def end(self, span: Span, end: float, *, attributes: Attributes | None = None,
             error: str | None = None, stages: Stages | None = None) -> None:

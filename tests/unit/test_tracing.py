@@ -346,7 +346,7 @@ def test_an_unsampled_producer_trace_is_continued_but_not_recorded(exported) -> 
     tracing, collected = exported
     unsampled = f"00-{TRACE_ID}-00f067aa0ba902b7-00"
     span = tracing.begin("sluice.request", [("traceparent", unsampled.encode())], 1.0)
-    tracing.span(span, "queue wait", 1.0, 2.0)
+    tracing.end(span, 3.0, stages=Stages(1.0, 2.0, 2.0, None, None, 2.5, [], 0.0, 0.0, None))
     tracing.end(span, 3.0)
     assert collected.spans == []
     assert parse_traceparent(span.headers[0][1]).flags == 0  # downstream keeps the choice
