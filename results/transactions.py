@@ -78,6 +78,10 @@ OFFSETS_INTERVAL_S = 0.1
 # leader's election (~6 s on a three-node cluster); one that does not is fenced, and
 # its partition taken over again (`worker.delivery`).
 TRANSACTION_TIMEOUT_MS = 6_000
+# A commit still unanswered this long after it began can no longer succeed (the
+# coordinator aborted its transaction at TRANSACTION_TIMEOUT_MS): its partition is
+# dropped and taken over anew instead of its commits waiting on, possibly forever.
+COMMIT_WITHIN_S = TRANSACTION_TIMEOUT_MS / 1000 + 5.0
 FENCED = (ProducerFenced, InvalidProducerEpoch)
 
 PendingOffsets = Callable[[], dict[Any, tuple[int, str]]]
@@ -95,6 +99,11 @@ class PartitionFenced(TransactionsFailed):
 
 class PartitionNotHeld(TransactionsFailed):
     """No transaction is open for the record's partition: this worker no longer owns it."""
+
+
+class CommitUnanswered(TransactionsFailed):
+    """A commit had no answer within COMMIT_WITHIN_S: its transaction was aborted meanwhile
+    by the coordinator, or will be."""
 
 
 class TransactionalProducerPort:
@@ -118,8 +127,10 @@ class TransactionalProducerPort:
         self.sent: list[asyncio.Future[Any]] = []  # the records of the open transaction
         self.failure: BaseException | None = None
         # Let go of (handed over, or lost with the group membership): never committed
-        # from here again, whatever commit was under way.
+        # from here again, whatever commit was under way. Set with `let_go`, which also
+        # ends that commit's waits: a stopped producer leaves them unanswered forever.
         self.released = False
+        self.let_go = asyncio.Event()
         # Set when the open transaction holds a record (shared by a worker's ports).
         self.has_records = has_records or asyncio.Event()
         self.num_records = 0  # in the open transaction
@@ -263,6 +274,7 @@ class PartitionTransactions:
         ports = [self._ports.pop(tp) for tp in tps if tp in self._ports]
         for port in ports:
             port.released = True
+            port.let_go.set()
             port.fail_waiting(PartitionNotHeld("the partition was handed over"))
         return _stop_all(ports)
 
@@ -280,7 +292,8 @@ class TransactionCommitter:
                  committed: Committed, on_lost: OnLost = lambda _tp, _why: None,
                  on_failed: OnFailed = None,
                  on_commit: Callable[[], None] = lambda: None,
-                 interval_s: float = OFFSETS_INTERVAL_S):
+                 interval_s: float = OFFSETS_INTERVAL_S,
+                 commit_within_s: float = COMMIT_WITHIN_S):
         self._transactions = transactions
         self._pending = pending  # commit points that changed, per partition
         self._committed = committed
@@ -288,19 +301,58 @@ class TransactionCommitter:
         self._on_failed = on_failed
         self._on_commit = on_commit
         self._interval_s = interval_s
+        self._commit_within_s = commit_within_s
         self._last_commit = 0.0  # monotonic
         self._closed = False
         self.num_commits = 0
+        # `run`'s commits under way, a task per port, and the first that failed for good.
+        self._running: dict[TransactionalProducerPort, asyncio.Task[None]] = {}
+        self._failure: BaseException | None = None
 
     async def run(self) -> None:
+        """Commit in the background, each partition on its own: a commit waiting on its
+        coordinator holds back no other partition's (all of a worker's transactions
+        waited for one before, outlived TRANSACTION_TIMEOUT_MS and were aborted)."""
         has_records = self._transactions.has_records
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await within(self._interval_s, has_records.wait())
-            if has_records.is_set():
-                busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
-                await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
-            await self.commit()
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await within(self._interval_s, has_records.wait())
+                if has_records.is_set():
+                    busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
+                    await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
+                if self._failure is not None:
+                    raise self._failure
+                self._start_commits()
+        finally:
+            for task in self._running.values():
+                task.cancel()
+
+    def _start_commits(self) -> None:
+        if self._closed:
+            return
+        self._transactions.has_records.clear()
+        for tp, port in self._work():
+            if port in self._running:
+                continue  # what came meanwhile is committed once it ends
+            task = asyncio.create_task(self._commit_one(tp, port))
+            self._running[port] = task
+            task.add_done_callback(functools.partial(self._commit_ended, port))
+
+    def _commit_ended(self, port: TransactionalProducerPort, task: asyncio.Task[None]) -> None:
+        if self._running.get(port) is task:
+            del self._running[port]
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._failure is None:
+            self._failure = task.exception()
+        self._transactions.has_records.set()  # `run` raises it
+
+    def _work(self) -> list[tuple[Any, TransactionalProducerPort]]:
+        """The ports with a transaction to commit, or a commit point that moved."""
+        moved = self._pending()
+        return [(tp, port) for tp, port in self._transactions.ports().items()
+                if port.in_transaction or port.sent or port.waiting or tp in moved]
 
     def close(self) -> None:
         """No more commits (the producers are about to stop)."""
@@ -313,11 +365,8 @@ class TransactionCommitter:
         if self._closed:
             return
         self._transactions.has_records.clear()
-        moved = self._pending()
-        ports = self._transactions.ports()
-        work = [(tp, port) for tp, port in ports.items()
-                if port.in_transaction or port.sent or port.waiting or tp in moved]
-        results = await asyncio.gather(*(self._commit_one(tp, port) for tp, port in work),
+        results = await asyncio.gather(*(self._commit_one(tp, port)
+                                         for tp, port in self._work()),
                                        return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
@@ -335,8 +384,7 @@ class TransactionCommitter:
             if port.failure is not None:
                 raise TransactionsFailed(f"transactions failed: {port.failure}")
             try:
-                await self._commit(tp, port)
-                await port.send_waiting()
+                await self._answered(port, self._commit_and_send_waiting(tp, port))
             except FENCED as exc:
                 port.failure = exc
                 _settle_fenced(port.producer)
@@ -356,6 +404,37 @@ class TransactionCommitter:
                 # its id aborts what this one left open), as a restart would.
                 self._on_failed(tp, f"a transaction of partition {tp.partition} failed "
                                     f"({type(exc).__name__}: {exc})")
+
+    async def _answered(self, port: TransactionalProducerPort,
+                        work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` (a commit) unless the port is let go of first — its producer is
+        stopped, and aiokafka leaves the commit's waits unanswered for ever (`sluice
+        bench chaos`: one commit so caught stopped all of a worker's commits) — or it
+        is not answered within COMMIT_WITHIN_S (raises CommitUnanswered)."""
+        task = asyncio.ensure_future(work)
+        let_go = asyncio.ensure_future(port.let_go.wait())
+        try:
+            done, _ = await asyncio.wait({task, let_go}, timeout=self._commit_within_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            let_go.cancel()
+        if task in done:
+            task.result()
+            return
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: what it says no longer matters
+        if port.released:
+            return  # nothing of it is committed from here; its next owner aborts it
+        raise CommitUnanswered(f"the commit had no answer in {self._commit_within_s:g} s")
+
+    async def _commit_and_send_waiting(self, tp: Any, port: TransactionalProducerPort) -> None:
+        await self._commit(tp, port)
+        await port.send_waiting()
 
     async def _commit(self, tp: Any, port: TransactionalProducerPort) -> None:
         if port.sent:

@@ -20,6 +20,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from common.topics import TopicAdmin, TopicSpec, committed_of
+from results.producer import TransactionsFailed
 from results.transactions import PartitionTransactions, TransactionCommitter
 
 pytestmark = [pytest.mark.integration]
@@ -102,6 +103,78 @@ async def test_a_partition_let_go_of_mid_commit_commits_no_answer(settings) -> N
         async with _committed_reader(settings, replies) as reader:
             batch = await reader.getmany(timeout_ms=3000)
             assert not [r for rs in batch.values() for r in rs]  # no answer committed
+            assert await committed_of(reader, group, inputs, 0) is None
+    finally:
+        await txns.close_all()
+        await successor.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
+
+
+async def test_a_commit_whose_partition_is_let_go_of_ends_at_once(settings) -> None:
+    """A partition let go of while its commit's offsets are on their way (its group
+    membership lost, a fence reported): its producer is stopped, and aiokafka's sender
+    ends between the two requests that commit them, leaving the commit's wait unset for
+    ever (a coordinator that does not answer does the same). The commit ends at once
+    instead — before, it waited for good, and with it every later commit of the worker
+    (`sluice bench chaos`: a worker's transactions all timed out, for minutes)."""
+    inputs, replies = f"{settings.topic_prefix}.requests.g", f"{settings.topic_prefix}.replies-g"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 1, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.g"
+    tp = TopicPartition(inputs, 0)
+    txns = PartitionTransactions(settings.producer_options(), 30, group)
+    reports: list[str] = []
+    committer = TransactionCommitter(txns, lambda: {tp: (3, "h=3;a=0")}, lambda _c: None,
+                                     on_lost=lambda _t, why: reports.append(why),
+                                     on_failed=lambda _t, why: reports.append(why))
+    try:
+        await txns.open([tp])
+        port = txns.port(tp)
+        await (await port.send(replies, orjson.dumps({"by": "old"}), b"k"))
+        commit = asyncio.create_task(committer.commit())
+        async with asyncio.timeout(10):  # into the offsets' commit, before its answer
+            while not port.producer._txn_manager._pending_txn_offsets:
+                await asyncio.sleep(0)
+        stopping = asyncio.create_task(txns.release([tp]))  # as a worker lets go
+        async with asyncio.timeout(5):
+            await commit
+        await stopping
+        assert reports == []  # let go of: neither lost nor failed
+    finally:
+        await txns.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
+
+
+async def test_a_commit_unanswered_in_time_drops_only_its_partition(settings) -> None:
+    """A commit with no answer within its bound (here none at all) can no longer
+    succeed: its partition is reported failed — the worker drops it and takes it over
+    anew, whose producer aborts what was left — and nothing is committed from it."""
+    inputs, replies = f"{settings.topic_prefix}.requests.u", f"{settings.topic_prefix}.replies-u"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 1, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.u"
+    tp = TopicPartition(inputs, 0)
+    txns, successor = (PartitionTransactions(settings.producer_options(), 30, group)
+                       for _ in range(2))
+    failed: list[tuple[object, str]] = []
+    committer = TransactionCommitter(txns, lambda: {tp: (4, "h=4;a=0")}, lambda _c: None,
+                                     on_failed=lambda t, why: failed.append((t, why)),
+                                     commit_within_s=0.0)
+    try:
+        await txns.open([tp])
+        await txns.port(tp).send(replies, orjson.dumps({"by": "old"}), b"k")
+        await committer.commit()
+        assert [t for t, _ in failed] == [tp] and "no answer in 0 s" in failed[0][1]
+        with pytest.raises(TransactionsFailed):  # nothing more goes into it
+            await txns.port(tp).send(replies, orjson.dumps({"by": "old"}), b"k")
+        await txns.release([tp])
+        await successor.open([tp])  # taken over anew: what was left open is aborted
+
+        async with _committed_reader(settings, replies) as reader:
+            batch = await reader.getmany(timeout_ms=3000)
+            assert not [r for rs in batch.values() for r in rs]
             assert await committed_of(reader, group, inputs, 0) is None
     finally:
         await txns.close_all()
