@@ -30,13 +30,14 @@ Transactions are group commits: the first record opens one, and
 `TransactionCommitter` closes every partition's open transaction 2-10 ms later
 (LINGER_*), concurrently (or when asked: a revocation, a drain). Commit points
 that moved without a record are committed every OFFSETS_INTERVAL_S. A fenced
-partition is reported (`on_lost`): the worker drops it — its new owner serves
-its requests — and goes on with the others. Any other failure of a transaction
-(a coordinator cut off from its followers answering InvalidTxnState, say) is
-reported too (`on_failed`): the worker drops that partition and takes it over
-anew — a new producer of its id aborts what the old one left open, and the
-partition is served again from its commit point, as after a restart. Without
-`on_failed`, such a failure stops the worker (exit code 3) without committing.
+partition is reported (`on_lost`) as soon as a send or a commit learns of it: the
+worker drops it — its new owner serves its requests — and goes on with the others.
+Any other failure of a transaction (a coordinator cut off from its followers
+answering InvalidTxnState, say) is reported too (`on_failed`): the worker drops
+that partition and takes it over anew — a new producer of its id aborts what the
+old one left open, and the partition is served again from its commit point, as
+after a restart. Without `on_failed`, such a failure stops the worker (exit code 3)
+without committing.
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ class TransactionalProducerPort:
         # ends that commit's waits: a stopped producer leaves them unanswered forever.
         self.released = False
         self.let_go = asyncio.Event()
+        # Its failure was reported (`TransactionCommitter`: on_lost, on_failed).
+        self.reported = False
+        # Told of a failure that a send learnt of (its record's fence, or the producer's
+        # fatal state): the committer reports it at once instead of at its next commit
+        # of this port.
+        self.on_failure: Callable[[TransactionalProducerPort, BaseException], None] | None
+        self.on_failure = None
         # Set when the open transaction holds a record (shared by a worker's ports).
         self.has_records = has_records or asyncio.Event()
         self.num_records = 0  # in the open transaction
@@ -152,7 +160,10 @@ class TransactionalProducerPort:
             raise
 
     async def stop(self) -> None:
-        await self.producer.stop()
+        try:
+            await self.producer.stop()
+        finally:
+            _settle_fenced(self.producer)  # a fatal error nobody else awaits
 
     async def send(self, topic: str, value: bytes, key: bytes | None,
                    headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
@@ -169,7 +180,12 @@ class TransactionalProducerPort:
                 await self.open()
                 future = await self.producer.send(topic, value, key=key, headers=headers)
             except IllegalOperation as exc:  # its transaction ended under it (fenced, failed)
+                self._learnt_of_failure()
                 raise TransactionsFailed(f"transactions failed: {exc}") from exc
+            except FENCED as exc:
+                self._failed(exc)
+                raise
+            future.add_done_callback(self._record_done)
             self.sent.append(future)
             self.num_records += 1
             self.has_records.set()
@@ -188,9 +204,34 @@ class TransactionalProducerPort:
                 future.set_exception(exc)
                 raise
             sent.add_done_callback(functools.partial(_settle, future))
+            sent.add_done_callback(self._record_done)
             self.sent.append(future)
             self.num_records += 1
         self.has_records.set()
+
+    def _record_done(self, future: asyncio.Future[Any]) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, FENCED):
+            self._failed(exc)
+
+    def _learnt_of_failure(self) -> None:
+        """A send was refused: if the producer is in aiokafka's fatal state (fenced, say),
+        which refuses every later send — each answer would stay unfinished until a
+        commit of this port noticed (`sluice bench chaos`: 34 s, that commit waiting on
+        a coordinator) — report its error now."""
+        manager = self.producer._txn_manager  # type: ignore[union-attr]
+        if manager is not None and manager.is_fatal_error():
+            waiter = manager.wait_for_transaction_end()
+            exc = (waiter.exception() if waiter is not None and waiter.done()
+                   and not waiter.cancelled() else None)
+            self._failed(exc or TransactionsFailed("the producer is in a fatal state"))
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        if self.on_failure is not None and not (self.released or self.reported):
+            # Soon, not inside this send (the report drops the partition and its port).
+            asyncio.get_running_loop().call_soon(self.on_failure, self, self.failure)
 
     def fail_waiting(self, exc: BaseException) -> None:
         """Records never sent: their senders learn why."""
@@ -224,6 +265,10 @@ class PartitionTransactions:
         self._ports: dict[Any, TransactionalProducerPort] = {}
         self._opening: dict[Any, asyncio.Lock] = {}  # one take-over of a partition at a time
         self.has_records = asyncio.Event()  # some partition's open transaction holds one
+        # (partition, its port, the error): a send learnt that the port failed (set by
+        # the `TransactionCommitter`).
+        self.on_failure: Callable[[Any, TransactionalProducerPort, BaseException], None] | None
+        self.on_failure = None
 
     def transactional_id(self, tp: Any) -> str:
         return f"{self.group_id}.partition-{tp.partition}"
@@ -252,11 +297,17 @@ class PartitionTransactions:
                 return
             port = TransactionalProducerPort(self._options, self._request_timeout_s,
                                              self.transactional_id(tp), self.has_records)
+            port.on_failure = functools.partial(self._port_failed, tp)
             await port.start()
             if wanted(tp):
                 self._ports[tp] = port
             else:  # let go of while its id was being taken: a later take-over opens anew
                 await port.stop()
+
+    def _port_failed(self, tp: Any, port: TransactionalProducerPort,
+                     exc: BaseException) -> None:
+        if self.on_failure is not None and self._ports.get(tp) is port:
+            self.on_failure(tp, port, exc)
 
     def port(self, tp: Any) -> TransactionalProducerPort:
         port = self._ports.get(tp)
@@ -308,6 +359,7 @@ class TransactionCommitter:
         # `run`'s commits under way, a task per port, and the first that failed for good.
         self._running: dict[TransactionalProducerPort, asyncio.Task[None]] = {}
         self._failure: BaseException | None = None
+        transactions.on_failure = self._failed_while_sending
 
     async def run(self) -> None:
         """Commit in the background, each partition on its own: a commit waiting on its
@@ -376,10 +428,11 @@ class TransactionCommitter:
         async with port.gate:
             if self._closed:
                 return
-            if port.released or isinstance(port.failure, FENCED) or (
+            if port.released or port.reported or isinstance(port.failure, FENCED) or (
                     port.failure is not None and self._on_failed is not None):
-                # Let go of, or reported lost or failed already by a commit that held
-                # the gate first: nothing of it is committed from here; the rest go on.
+                # Let go of, or reported lost or failed already (by a send, or a commit
+                # that held the gate first): nothing of it is committed from here; the
+                # rest go on.
                 return
             if port.failure is not None:
                 raise TransactionsFailed(f"transactions failed: {port.failure}")
@@ -387,23 +440,53 @@ class TransactionCommitter:
                 await self._answered(port, self._commit_and_send_waiting(tp, port))
             except FENCED as exc:
                 port.failure = exc
-                _settle_fenced(port.producer)
-                why = (f"partition {tp.partition}'s transactional id "
-                       f"{port.transactional_id} was taken over by another worker")
-                port.fail_waiting(PartitionFenced(why))
-                self._on_lost(tp, why)
+                self._report_fenced(tp, port)
             except Exception as exc:
                 port.failure = exc
-                port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
-                log.error("a transaction of partition %s failed (%s: %s); nothing it held "
-                          "is committed, and it is served again from its commit point",
-                          tp.partition, type(exc).__name__, exc)
                 if self._on_failed is None:
+                    port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
+                    log.error("a transaction of partition %s failed (%s: %s); nothing it "
+                              "held is committed", tp.partition, type(exc).__name__, exc)
                     raise TransactionsFailed(f"transaction failed: {exc}") from exc
-                # The partition alone is dropped and taken over anew (a new producer of
-                # its id aborts what this one left open), as a restart would.
-                self._on_failed(tp, f"a transaction of partition {tp.partition} failed "
-                                    f"({type(exc).__name__}: {exc})")
+                self._report_failed(tp, port, exc)
+
+    def _failed_while_sending(self, tp: Any, port: TransactionalProducerPort,
+                              exc: BaseException) -> None:
+        """A send learnt of its port's failure (`TransactionalProducerPort.on_failure`)."""
+        if self._closed or port.released or port.reported:
+            return
+        if isinstance(exc, FENCED):
+            self._report_fenced(tp, port)
+        elif self._on_failed is not None:
+            self._report_failed(tp, port, exc)
+        # else: the next commit of the port raises it (and stops the worker)
+
+    def _report_fenced(self, tp: Any, port: TransactionalProducerPort) -> None:
+        _settle_fenced(port.producer)
+        if port.reported or port.released:
+            # A released port's fence is its successor's (or its new owner's) doing.
+            return
+        port.reported = True
+        why = (f"partition {tp.partition}'s transactional id "
+               f"{port.transactional_id} was taken over by another worker")
+        port.fail_waiting(PartitionFenced(why))
+        self._on_lost(tp, why)
+
+    def _report_failed(self, tp: Any, port: TransactionalProducerPort,
+                       exc: BaseException) -> None:
+        """A failure other than a fence: the partition alone is dropped and taken over
+        anew (a new producer of its id aborts what this one left open), as a restart
+        would."""
+        if port.reported or port.released:
+            return
+        port.reported = True
+        port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
+        log.error("a transaction of partition %s failed (%s: %s); nothing it held is "
+                  "committed, and it is served again from its commit point",
+                  tp.partition, type(exc).__name__, exc)
+        if self._on_failed is not None:
+            self._on_failed(tp, f"a transaction of partition {tp.partition} failed "
+                            f"({type(exc).__name__}: {exc})")
 
     async def _answered(self, port: TransactionalProducerPort,
                         work: Coroutine[Any, Any, None]) -> None:

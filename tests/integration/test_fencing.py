@@ -183,6 +183,46 @@ async def test_a_commit_unanswered_in_time_drops_only_its_partition(settings) ->
             await admin.delete([inputs, replies])
 
 
+async def test_a_send_that_learns_its_partition_was_fenced_reports_it_at_once(settings) -> None:
+    """A worker paused past its session got its partition back from the group while the
+    other worker had taken the partition's transactional id over: its producer is
+    fenced, and aiokafka refuses every later send. The send that learns of the fence
+    reports the partition lost at once (the worker drops it and takes it over anew);
+    before, only a commit of that partition did, and one waiting on a coordinator left
+    its answers unfinished for 34 s (`sluice bench chaos`, seed 81: 53 timeouts)."""
+    from aiokafka.errors import ProducerFenced
+
+    inputs, replies = f"{settings.topic_prefix}.requests.s", f"{settings.topic_prefix}.replies-s"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 1, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.s"
+    tp = TopicPartition(inputs, 0)
+    old, new = (PartitionTransactions(settings.producer_options(), 30, group) for _ in range(2))
+    lost: list[tuple[object, str]] = []
+    zombie = TransactionCommitter(old, lambda: {}, lambda _c: None,
+                                  on_lost=lambda t, why: lost.append((t, why)))
+    try:
+        await old.open([tp])
+        await new.open([tp])  # the other worker takes the partition's id over
+        port = old.port(tp)
+        sent = await port.send(replies, orjson.dumps({"by": "old"}), b"k")
+        with pytest.raises(ProducerFenced):
+            await asyncio.wait_for(sent, 30)
+        async with asyncio.timeout(5):  # no commit asked for
+            while not lost:
+                await asyncio.sleep(0.01)
+        assert [t for t, _ in lost] == [tp] and "taken over by another worker" in lost[0][1]
+        with pytest.raises(TransactionsFailed):  # refused at once from now on
+            await port.send(replies, orjson.dumps({"by": "old"}), b"k")
+        await zombie.commit()
+        assert len(lost) == 1  # reported once
+    finally:
+        await old.close_all()
+        await new.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
+
+
 @contextlib.asynccontextmanager
 async def _committed_reader(settings, topic: str) -> AsyncIterator[AIOKafkaConsumer]:
     """A `read_committed` reader of `topic`'s partition 0, from its start."""
