@@ -13,6 +13,14 @@ started before the request was sent, nothing earlier of it can be missing.
 
 If the reader's consumer fails for good (the topic may not be read, say),
 every waiting request gets the error instead of waiting forever.
+
+A fetch the broker answers "offset out of range" never moves the reader to the
+partition's end (the consumer's `latest` reset skipped every reply written in
+between: `sluice bench chaos`, a leader cut off from the other brokers, 20 answers
+never seen by their clients though on the topic). The reader goes on from where it
+was; only records the log no longer holds (retention) are passed over, and a
+position still beyond the log's end after OUT_OF_RANGE_PATIENCE_S (a leader that
+lost records) reads on from that end.
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
 from common.broker_loss import let_go_of_fenced_brokers
 from common.safe_fetch import SafeFetcher
@@ -33,6 +43,12 @@ from schemas import REPLY_EVENT_ADAPTER, TERMINAL_TYPES, Outcome, ReplyEvent, To
 from sluice.errors import NotFoundError, SluiceError
 
 log = logging.getLogger(__name__)
+
+# How long a position beyond a partition's end is taken for a stale or replaced
+# leader's answer, asked again every OUT_OF_RANGE_RETRY_S, before the reader accepts
+# that the log lost those offsets and reads on from its end.
+OUT_OF_RANGE_PATIENCE_S = 30.0
+OUT_OF_RANGE_RETRY_S = 0.5
 
 
 class ReplyReaderError(SluiceError):
@@ -49,13 +65,15 @@ class ReplyReader:
         self.topic = topic
         self._consumer = AIOKafkaConsumer(
             **settings.kafka_options(), enable_auto_commit=False,
-            isolation_level="read_committed",
+            isolation_level="read_committed", auto_offset_reset="none",
         )
         let_go_of_fenced_brokers(self._consumer._client, f"the reader of {topic}")
         self._fetcher = SafeFetcher(self._consumer)
         self._subs: dict[str, _Subscription] = {}
         self._task: asyncio.Task[None] | None = None
         self.failure: BaseException | None = None
+        # Since when a partition's position has been out of range (monotonic).
+        self._out_of_range_since: dict[TopicPartition, float] = {}
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -93,11 +111,54 @@ class ReplyReader:
 
     async def _pump(self) -> None:
         while True:
-            records, unreadable = await self._fetcher.getmany(timeout_ms=500, max_records=1024)
+            try:
+                records, unreadable = await self._fetcher.getmany(timeout_ms=500,
+                                                                  max_records=1024)
+            except OffsetOutOfRangeError as exc:
+                await self._back_in_range(exc)
+                continue
+            self._out_of_range_since.clear()
             for bad in unreadable:
                 log.warning("a reply was skipped: %s", bad.reason)
             for record in records:
                 self._route(record.value)
+
+    async def _back_in_range(self, exc: OffsetOutOfRangeError) -> None:
+        """Go on where the reader was: the records from there on are the replies it has
+        not seen (a leader cut off or just replaced answers "out of range" for offsets
+        the partition's real leader holds)."""
+        found = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else {}
+        tps = list(found) or sorted(self._consumer.assignment())
+        self._consumer._client.force_metadata_update()  # the leader may have moved
+        await asyncio.sleep(OUT_OF_RANGE_RETRY_S)
+        try:
+            first = await self._consumer.beginning_offsets(tps)
+            last = await self._consumer.end_offsets(tps)
+        except KafkaError as lookup:  # the brokers away: the next fetch asks again
+            log.info("reply partitions %s: their offsets could not be looked up (%s)",
+                     sorted(tp.partition for tp in tps), lookup)
+            return
+        now = time.monotonic()
+        for tp in tps:
+            want = self._fetcher.resume_offset(tp)
+            if want is None:
+                want = found.get(tp, first[tp])
+            since = self._out_of_range_since.setdefault(tp, now)
+            if want < first[tp]:
+                log.warning("reply partition %d: offsets %d-%d are no longer in the log "
+                            "(retention); reading on from %d", tp.partition, want,
+                            first[tp] - 1, first[tp])
+                want = first[tp]
+            elif want > last[tp] and now - since > OUT_OF_RANGE_PATIENCE_S:
+                log.warning("reply partition %d: offset %d is still past the log's end %d "
+                            "after %.0f s (its leader lost records); reading on from %d",
+                            tp.partition, want, last[tp], now - since, last[tp])
+                want = last[tp]
+            else:
+                log.info("reply partition %d: offset %d was answered out of range "
+                         "(the log holds %d-%d now); reading on from it", tp.partition,
+                         want, first[tp], last[tp])
+            self._consumer.seek(tp, want)
 
     def _pump_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
