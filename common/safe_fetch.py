@@ -145,6 +145,8 @@ class SafeFetcher:
                                                       max_records=1)
                 except Exception as exc:
                     if not is_record_error(exc):
+                        if records:  # handed over already: the error comes again next call
+                            return records, []
                         raise
                     return records, [await self._skip(tp, exc)]
                 if not got:

@@ -20,7 +20,7 @@ between: `sluice bench chaos`, a leader cut off from the other brokers, 20 answe
 never seen by their clients though on the topic). The reader goes on from where it
 was; only records the log no longer holds (retention) are passed over, and a
 position still beyond the log's end after OUT_OF_RANGE_PATIENCE_S (a leader that
-lost records) reads on from that end.
+lost records) reads on from the lowest end seen meanwhile.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # that the log lost those offsets and reads on from its end.
 OUT_OF_RANGE_PATIENCE_S = 30.0
 OUT_OF_RANGE_RETRY_S = 0.5
+OUT_OF_RANGE_LOOKUP_S = 5.0  # the offsets' lookup, at most
 
 
 class ReplyReaderError(SluiceError):
@@ -72,8 +73,9 @@ class ReplyReader:
         self._subs: dict[str, _Subscription] = {}
         self._task: asyncio.Task[None] | None = None
         self.failure: BaseException | None = None
-        # Since when a partition's position has been out of range (monotonic).
-        self._out_of_range_since: dict[TopicPartition, float] = {}
+        # Partitions whose position was answered out of range: (since, last seen, the
+        # lowest end offset seen), monotonic seconds.
+        self._out_of_range: dict[TopicPartition, tuple[float, float, int]] = {}
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -117,7 +119,6 @@ class ReplyReader:
             except OffsetOutOfRangeError as exc:
                 await self._back_in_range(exc)
                 continue
-            self._out_of_range_since.clear()
             for bad in unreadable:
                 log.warning("a reply was skipped: %s", bad.reason)
             for record in records:
@@ -131,11 +132,12 @@ class ReplyReader:
         tps = list(found) or sorted(self._consumer.assignment())
         self._consumer._client.force_metadata_update()  # the leader may have moved
         await asyncio.sleep(OUT_OF_RANGE_RETRY_S)
-        try:
-            first = await self._consumer.beginning_offsets(tps)
-            last = await self._consumer.end_offsets(tps)
-        except KafkaError as lookup:  # the brokers away: the next fetch asks again
-            log.info("reply partitions %s: their offsets could not be looked up (%s)",
+        try:  # bounded: every partition's replies wait while this one is looked up
+            async with asyncio.timeout(OUT_OF_RANGE_LOOKUP_S):
+                first, last = await asyncio.gather(self._consumer.beginning_offsets(tps),
+                                                   self._consumer.end_offsets(tps))
+        except (KafkaError, TimeoutError) as lookup:  # brokers away: the next fetch asks
+            log.info("reply partitions %s: their offsets could not be looked up (%r)",
                      sorted(tp.partition for tp in tps), lookup)
             return
         now = time.monotonic()
@@ -143,17 +145,25 @@ class ReplyReader:
             want = self._fetcher.resume_offset(tp)
             if want is None:
                 want = found.get(tp, first[tp])
-            since = self._out_of_range_since.setdefault(tp, now)
+            # (since, last seen, the lowest end seen) of this partition's episode; one
+            # not seen for a while is over, and this is a new one.
+            since, seen, lowest = self._out_of_range.get(tp, (now, now, last[tp]))
+            if now - seen > OUT_OF_RANGE_PATIENCE_S:
+                since, lowest = now, last[tp]
+            lowest = min(lowest, last[tp])
+            self._out_of_range[tp] = (since, now, lowest)
             if want < first[tp]:
                 log.warning("reply partition %d: offsets %d-%d are no longer in the log "
                             "(retention); reading on from %d", tp.partition, want,
                             first[tp] - 1, first[tp])
                 want = first[tp]
             elif want > last[tp] and now - since > OUT_OF_RANGE_PATIENCE_S:
-                log.warning("reply partition %d: offset %d is still past the log's end %d "
+                # From the lowest end seen: replies written since are read, not skipped.
+                log.warning("reply partition %d: offset %d is still past the log's end "
                             "after %.0f s (its leader lost records); reading on from %d",
-                            tp.partition, want, last[tp], now - since, last[tp])
-                want = last[tp]
+                            tp.partition, want, now - since, lowest)
+                want = lowest
+                del self._out_of_range[tp]
             else:
                 log.info("reply partition %d: offset %d was answered out of range "
                          "(the log holds %d-%d now); reading on from it", tp.partition,
