@@ -83,6 +83,10 @@ TRANSACTION_TIMEOUT_MS = 6_000
 # coordinator aborted its transaction at TRANSACTION_TIMEOUT_MS): its partition is
 # dropped and taken over anew instead of its commits waiting on, possibly forever.
 COMMIT_WITHIN_S = TRANSACTION_TIMEOUT_MS / 1000 + 5.0
+# The background commits go on in rounds (a round's transactions batch what came while
+# the last one committed); one partition's commit slower than this holds back no
+# other's: the next round starts without it.
+ROUND_WAIT_S = 1.0
 FENCED = (ProducerFenced, InvalidProducerEpoch)
 
 PendingOffsets = Callable[[], dict[Any, tuple[int, str]]]
@@ -362,9 +366,11 @@ class TransactionCommitter:
         transactions.on_failure = self._failed_while_sending
 
     async def run(self) -> None:
-        """Commit in the background, each partition on its own: a commit waiting on its
-        coordinator holds back no other partition's (all of a worker's transactions
-        waited for one before, outlived TRANSACTION_TIMEOUT_MS and were aborted)."""
+        """Commit in the background, in rounds: every partition's commit at once, the
+        next round once they all ended — or ROUND_WAIT_S later without those still
+        waiting on their coordinator, which are left to end on their own (all of a
+        worker's transactions waited for one such before, outlived
+        TRANSACTION_TIMEOUT_MS and were aborted)."""
         has_records = self._transactions.has_records
         try:
             while True:
@@ -375,21 +381,26 @@ class TransactionCommitter:
                     await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
                 if self._failure is not None:
                     raise self._failure
-                self._start_commits()
+                started = self._start_commits()
+                if started:
+                    await asyncio.wait(started, timeout=ROUND_WAIT_S)
         finally:
             for task in self._running.values():
                 task.cancel()
 
-    def _start_commits(self) -> None:
+    def _start_commits(self) -> list[asyncio.Task[None]]:
         if self._closed:
-            return
+            return []
         self._transactions.has_records.clear()
+        started = []
         for tp, port in self._work():
             if port in self._running:
                 continue  # what came meanwhile is committed once it ends
             task = asyncio.create_task(self._commit_one(tp, port))
             self._running[port] = task
             task.add_done_callback(functools.partial(self._commit_ended, port))
+            started.append(task)
+        return started
 
     def _commit_ended(self, port: TransactionalProducerPort, task: asyncio.Task[None]) -> None:
         if self._running.get(port) is task:

@@ -183,6 +183,41 @@ async def test_a_commit_unanswered_in_time_drops_only_its_partition(settings) ->
             await admin.delete([inputs, replies])
 
 
+async def test_a_commit_that_waits_holds_back_no_other_partition(settings) -> None:
+    """The background commits go on without a partition whose commit waits (on its
+    coordinator, say; here its gate is held, as that commit holds it): another
+    partition's answers are committed meanwhile, round after round. Before, every
+    round waited for all of its commits, and one that waited held back every other
+    partition's transactions until the coordinator aborted them."""
+    inputs, replies = f"{settings.topic_prefix}.requests.h", f"{settings.topic_prefix}.replies-h"
+    async with TopicAdmin(settings) as admin:
+        await admin.ensure([TopicSpec(inputs, 2, {}), TopicSpec(replies, 1, {})])
+    group = f"{settings.topic_prefix}.h"
+    slow, fast = TopicPartition(inputs, 0), TopicPartition(inputs, 1)
+    txns = PartitionTransactions(settings.producer_options(), 30, group)
+    committer = TransactionCommitter(txns, lambda: {}, lambda _c: None)
+    loop = asyncio.create_task(committer.run())
+    try:
+        await txns.open([slow, fast])
+        await txns.port(slow).send(replies, orjson.dumps({"n": 0}), b"k")
+        # The slow partition's commit waits (it holds the gate) all along.
+        async with txns.port(slow).gate, _committed_reader(settings, replies) as reader:
+            seen: list[int] = []
+            for n in (1, 2, 3):  # one round after another
+                await txns.port(fast).send(replies, orjson.dumps({"n": n}), b"k")
+                async with asyncio.timeout(10):
+                    while n not in seen:
+                        batch = await reader.getmany(timeout_ms=200)
+                        seen += [orjson.loads(r.value)["n"] for rs in batch.values() for r in rs]
+            assert seen == [1, 2, 3]
+        assert not loop.done()
+    finally:
+        loop.cancel()
+        await txns.close_all()
+        async with TopicAdmin(settings) as admin:
+            await admin.delete([inputs, replies])
+
+
 async def test_a_send_that_learns_its_partition_was_fenced_reports_it_at_once(settings) -> None:
     """A worker paused past its session got its partition back from the group while the
     other worker had taken the partition's transactional id over: its producer is
