@@ -136,6 +136,7 @@ class TransactionalProducerPort:
         # ends that commit's waits: a stopped producer leaves them unanswered forever.
         self.released = False
         self.let_go = asyncio.Event()
+        self.commits_waiting = 0  # commits queued for the gate
         # Its failure was reported (`TransactionCommitter`: on_lost, on_failed).
         self.reported = False
         # Told of a failure that a send learnt of (its record's fence, or the producer's
@@ -173,8 +174,9 @@ class TransactionalProducerPort:
                    headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
         if self.failure is not None:
             raise TransactionsFailed(f"transactions failed: {self.failure}")
-        if self.gate.locked():
-            # A commit is under way: the record waits for the next transaction, and the
+        if self.gate.locked() or self.commits_waiting:
+            # A commit is under way (or about to take the gate, which it gets before
+            # this send would): the record waits for the next transaction, and the
             # caller (the event pump) goes on at once instead of waiting for the commit.
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self.waiting.append((topic, value, key, headers, future))
@@ -200,18 +202,27 @@ class TransactionalProducerPort:
         waiting, self.waiting = self.waiting, []
         if not waiting:
             return
-        await self.open()
-        for topic, value, key, headers, future in waiting:
-            try:
+        num_sent = 0
+        try:
+            await self.open()
+            for topic, value, key, headers, future in waiting:
                 sent = await self.producer.send(topic, value, key=key, headers=headers)
-            except Exception as exc:
-                future.set_exception(exc)
-                raise
-            sent.add_done_callback(functools.partial(_settle, future))
-            sent.add_done_callback(self._record_done)
-            self.sent.append(future)
-            self.num_records += 1
-        self.has_records.set()
+                num_sent += 1
+                sent.add_done_callback(functools.partial(_settle, future))
+                sent.add_done_callback(self._record_done)
+                self.sent.append(future)
+                self.num_records += 1
+        except BaseException as exc:
+            # Its senders wait on these futures (a flush, a drain): each one learns why.
+            why = exc if isinstance(exc, Exception) else TransactionsFailed(
+                "the commit that was to send it was cancelled")
+            for *_record, future in waiting[num_sent:]:
+                if not future.done():
+                    future.set_exception(why)
+            raise
+        finally:
+            if num_sent:
+                self.has_records.set()
 
     def _record_done(self, future: asyncio.Future[Any]) -> None:
         exc = None if future.cancelled() else future.exception()
@@ -372,21 +383,20 @@ class TransactionCommitter:
         worker's transactions waited for one such before, outlived
         TRANSACTION_TIMEOUT_MS and were aborted)."""
         has_records = self._transactions.has_records
-        try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await within(self._interval_s, has_records.wait())
-                if has_records.is_set():
-                    busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
-                    await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
-                if self._failure is not None:
-                    raise self._failure
-                started = self._start_commits()
-                if started:
-                    await asyncio.wait(started, timeout=ROUND_WAIT_S)
-        finally:
-            for task in self._running.values():
-                task.cancel()
+        # Cancelled, this leaves the commits under way to end (each is bounded, and ends
+        # at once when its port is let go of): cancelling them lost a drain's last
+        # transactions.
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await within(self._interval_s, has_records.wait())
+            if has_records.is_set():
+                busy = time.monotonic() - self._last_commit < BUSY_WITHIN_S
+                await asyncio.sleep(LINGER_BUSY_S if busy else LINGER_IDLE_S)
+            if self._failure is not None:
+                raise self._failure
+            started = self._start_commits()
+            if started:
+                await asyncio.wait(started, timeout=ROUND_WAIT_S)
 
     def _start_commits(self) -> list[asyncio.Task[None]]:
         if self._closed:
@@ -436,30 +446,40 @@ class TransactionCommitter:
             raise failures[0]
 
     async def _commit_one(self, tp: Any, port: TransactionalProducerPort) -> None:
-        async with port.gate:
-            if self._closed:
-                return
-            if port.released or port.reported or isinstance(port.failure, FENCED) or (
-                    port.failure is not None and self._on_failed is not None):
-                # Let go of, or reported lost or failed already (by a send, or a commit
-                # that held the gate first): nothing of it is committed from here; the
-                # rest go on.
-                return
-            if port.failure is not None:
-                raise TransactionsFailed(f"transactions failed: {port.failure}")
-            try:
-                await self._answered(port, self._commit_and_send_waiting(tp, port))
-            except FENCED as exc:
-                port.failure = exc
-                self._report_fenced(tp, port)
-            except Exception as exc:
-                port.failure = exc
-                if self._on_failed is None:
-                    port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
-                    log.error("a transaction of partition %s failed (%s: %s); nothing it "
-                              "held is committed", tp.partition, type(exc).__name__, exc)
-                    raise TransactionsFailed(f"transaction failed: {exc}") from exc
-                self._report_failed(tp, port, exc)
+        port.commits_waiting += 1
+        try:
+            await port.gate.acquire()
+        finally:
+            port.commits_waiting -= 1
+        try:
+            await self._commit_holding_gate(tp, port)
+        finally:
+            port.gate.release()
+
+    async def _commit_holding_gate(self, tp: Any, port: TransactionalProducerPort) -> None:
+        if self._closed:
+            return
+        if port.released or port.reported or isinstance(port.failure, FENCED) or (
+                port.failure is not None and self._on_failed is not None):
+            # Let go of, or reported lost or failed already (by a send, or a commit
+            # that held the gate first): nothing of it is committed from here; the
+            # rest go on.
+            return
+        if port.failure is not None:
+            raise TransactionsFailed(f"transactions failed: {port.failure}")
+        try:
+            await self._answered(port, self._commit_and_send_waiting(tp, port))
+        except FENCED as exc:
+            port.failure = exc
+            self._report_fenced(tp, port)
+        except Exception as exc:
+            port.failure = exc
+            if self._on_failed is None:
+                port.fail_waiting(TransactionsFailed(f"transaction failed: {exc}"))
+                log.error("a transaction of partition %s failed (%s: %s); nothing it "
+                          "held is committed", tp.partition, type(exc).__name__, exc)
+                raise TransactionsFailed(f"transaction failed: {exc}") from exc
+            self._report_failed(tp, port, exc)
 
     def _failed_while_sending(self, tp: Any, port: TransactionalProducerPort,
                               exc: BaseException) -> None:
@@ -510,8 +530,9 @@ class TransactionCommitter:
         try:
             done, _ = await asyncio.wait({task, let_go}, timeout=self._commit_within_s,
                                          return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
+        except BaseException:  # cancelled: the gate is held until the commit has unwound
             task.cancel()
+            await asyncio.wait({task})
             raise
         finally:
             let_go.cancel()
@@ -533,11 +554,14 @@ class TransactionCommitter:
     async def _commit(self, tp: Any, port: TransactionalProducerPort) -> None:
         if port.sent:
             # Every record acknowledged (or one failed): their offsets are finished by
-            # delivery's callbacks, which run before this wait returns.
-            results = await asyncio.gather(*port.sent, return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:
-                raise failed[0]
+            # delivery's callbacks, which run before this wait returns. (A wait, not a
+            # gather: this commit cancelled must not cancel its records.)
+            await asyncio.wait(port.sent)
+            for record in port.sent:
+                if record.cancelled():
+                    raise TransactionsFailed("a record of the transaction was cancelled")
+                if record.exception() is not None:
+                    raise record.exception()  # type: ignore[misc]
         if port.released:
             # Let go of while this commit waited for the acknowledgements: its commit point
             # is gone with it, and committing the answers without their offsets would

@@ -148,9 +148,11 @@ async def test_a_commit_whose_partition_is_let_go_of_ends_at_once(settings) -> N
 
 
 async def test_a_commit_unanswered_in_time_drops_only_its_partition(settings) -> None:
-    """A commit with no answer within its bound (here none at all) can no longer
-    succeed: its partition is reported failed — the worker drops it and takes it over
-    anew, whose producer aborts what was left — and nothing is committed from it."""
+    """A commit with no answer within its bound (here a bound of 0 s, so the commit is
+    given up on before it asks anything) can no longer succeed: its partition is
+    reported failed — the worker drops it and takes it over anew — its port refuses
+    further records, and the take-over aborts the open transaction: its record is
+    never committed."""
     inputs, replies = f"{settings.topic_prefix}.requests.u", f"{settings.topic_prefix}.replies-u"
     async with TopicAdmin(settings) as admin:
         await admin.ensure([TopicSpec(inputs, 1, {}), TopicSpec(replies, 1, {})])
