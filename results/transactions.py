@@ -137,6 +137,7 @@ class TransactionalProducerPort:
         self.released = False
         self.let_go = asyncio.Event()
         self.commits_waiting = 0  # commits queued for the gate
+        self.committing = False  # a commit holds the gate
         # Its failure was reported (`TransactionCommitter`: on_lost, on_failed).
         self.reported = False
         # Told of a failure that a send learnt of (its record's fence, or the producer's
@@ -174,10 +175,13 @@ class TransactionalProducerPort:
                    headers: Sequence[tuple[str, bytes]] | None = None) -> asyncio.Future[Any]:
         if self.failure is not None:
             raise TransactionsFailed(f"transactions failed: {self.failure}")
-        if self.gate.locked() or self.commits_waiting:
+        if self.released:
+            raise PartitionNotHeld("the partition was handed over")
+        if self.committing or self.commits_waiting:
             # A commit is under way (or about to take the gate, which it gets before
-            # this send would): the record waits for the next transaction, and the
-            # caller (the event pump) goes on at once instead of waiting for the commit.
+            # this send would): the record waits for the next transaction — that
+            # commit sends it — and the caller (the event pump) goes on at once
+            # instead of waiting for the commit.
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self.waiting.append((topic, value, key, headers, future))
             return future
@@ -438,9 +442,15 @@ class TransactionCommitter:
         if self._closed:
             return
         self._transactions.has_records.clear()
-        results = await asyncio.gather(*(self._commit_one(tp, port)
-                                         for tp, port in self._work()),
-                                       return_exceptions=True)
+        commits = [asyncio.ensure_future(self._commit_one(tp, port))
+                   for tp, port in self._work()]
+        if not commits:
+            return
+        # Shielded: a caller cancelled (a handover's time limit, a shutdown) leaves
+        # each commit to end on its own — bounded, and at once when its port is let go
+        # of — instead of abandoning it inside aiokafka's commit, where the next commit
+        # of that port would fail.
+        results = await asyncio.shield(asyncio.gather(*commits, return_exceptions=True))
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise failures[0]
@@ -451,9 +461,11 @@ class TransactionCommitter:
             await port.gate.acquire()
         finally:
             port.commits_waiting -= 1
+        port.committing = True
         try:
             await self._commit_holding_gate(tp, port)
         finally:
+            port.committing = False
             port.gate.release()
 
     async def _commit_holding_gate(self, tp: Any, port: TransactionalProducerPort) -> None:
