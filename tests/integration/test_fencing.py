@@ -100,10 +100,7 @@ async def test_a_partition_let_go_of_mid_commit_commits_no_answer(settings) -> N
         await stopping
         await successor.open([tp])  # the next owner takes the partition over
 
-        async with _committed_reader(settings, replies) as reader:
-            batch = await reader.getmany(timeout_ms=3000)
-            assert not [r for rs in batch.values() for r in rs]  # no answer committed
-            assert await committed_of(reader, group, inputs, 0) is None
+        await _nothing_committed(settings, replies, group, inputs)  # no answer, no offset
     finally:
         await txns.close_all()
         await successor.close_all()
@@ -174,10 +171,7 @@ async def test_a_commit_unanswered_in_time_drops_only_its_partition(settings) ->
         await txns.release([tp])
         await successor.open([tp])  # taken over anew: what was left open is aborted
 
-        async with _committed_reader(settings, replies) as reader:
-            batch = await reader.getmany(timeout_ms=3000)
-            assert not [r for rs in batch.values() for r in rs]
-            assert await committed_of(reader, group, inputs, 0) is None
+        await _nothing_committed(settings, replies, group, inputs)
     finally:
         await txns.close_all()
         await successor.close_all()
@@ -258,6 +252,14 @@ async def test_a_send_that_learns_its_partition_was_fenced_reports_it_at_once(se
         await new.close_all()
         async with TopicAdmin(settings) as admin:
             await admin.delete([inputs, replies])
+
+
+async def _nothing_committed(settings, replies: str, group: str, inputs: str) -> None:
+    """No answer on `replies` for a `read_committed` reader, and no offset committed."""
+    async with _committed_reader(settings, replies) as reader:
+        batch = await reader.getmany(timeout_ms=3000)
+        assert not [r for rs in batch.values() for r in rs]
+        assert await committed_of(reader, group, inputs, 0) is None
 
 
 @contextlib.asynccontextmanager
