@@ -4,11 +4,12 @@ invariant check of everything the reply topic holds.
 A three-node Kafka cluster and a PostgreSQL of its own (private state, free
 ports), `workers` worker processes of one model, and a load of requests over
 many sessions at a steady rate — some streamed, some followed by a cancel. A
-warm-up load comes first (`warmup_s`, answered before the clock starts; checked,
-not timed), and the measured load's first seconds are calm (`calm_s`). Then
-faults strike at seeded random times, one at a time; after each heals, the run
-waits until capacity is back — every worker in the group, every request
-partition assigned and led (`CapacityProbe`) — and times it:
+warm-up load comes first (`warmup_s`, and on until its answers settle; answered
+before the clock starts; checked, not timed), and the measured load's first
+seconds are calm (`calm_s`). Then faults strike at seeded random times, one at a
+time; after each heals, the run waits until capacity is back — every worker in
+the group, every request partition assigned and led (`CapacityProbe`) — and
+times it:
 
 - `worker_kill`: SIGKILL a worker, restart it (same --replica) a moment later;
 - `worker_pause`: SIGSTOP a worker past its session timeout, then SIGCONT (the
@@ -71,6 +72,7 @@ from infra import local
 from infra.netns import Network
 from sluice.client import Client
 
+WARMUP_ROUND_S = 10.0  # the warm-up past `warmup_s`, a round at a time
 
 async def run_chaos(cfg: ChaosConfig, workdir: Path, model_dir: Path,
                     say: Say = lambda _line: None) -> ChaosReport:
@@ -162,7 +164,20 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
     warmup = round(cfg.warmup_s * cfg.rate_per_s)
     if warmup:
         say(f"  warming up: {warmup} requests over {cfg.warmup_s:g} s, not timed")
+        began = time.monotonic()
         await _send_load(cfg, rng, client, key, report, warmup, "w", say=lambda _line: None)
+        tag, round_ = "w", 1
+        while (not _settled(report, f"chaos-{cfg.seed}-{tag}", cfg.warm_p90_s)
+               and time.monotonic() - began + WARMUP_ROUND_S <= cfg.warmup_max_s):
+            round_ += 1
+            tag = f"w{round_}-"
+            say(f"  warming up {WARMUP_ROUND_S:g} s more (answers not settled yet)")
+            # A random stream of its own: the measured load is the seed's whatever the
+            # warm-up took.
+            await _send_load(cfg, random.Random(f"{cfg.seed}-{tag}"), client, key, report,
+                             round(WARMUP_ROUND_S * cfg.rate_per_s), tag,
+                             say=lambda _line: None)
+        report.warmup_s = time.monotonic() - began
     probe = CapacityProbe(cluster.settings, cfg.workers)
     try:
         t0 = time.monotonic()
@@ -182,6 +197,15 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
         answered = sent.at_s + sent.latency_s
         during = any(a <= answered and sent.at_s <= b for a, b in windows)
         (report.fault_latency_s if during else report.calm_latency_s).append(sent.latency_s)
+
+
+def _settled(report: ChaosReport, prefix: str, p90_s: float) -> bool:
+    """Whether the answers of the warm-up round whose ids begin with `prefix` came
+    within `p90_s`, nine in ten of them."""
+    latencies = [s.latency_s for s in report.sent.values()
+                 if s.request_id.startswith(prefix) and s.latency_s is not None
+                 and s.request_id[len(prefix):].isdigit()]
+    return bool(latencies) and percentile(latencies, 0.9) <= p90_s
 
 
 async def _send_load(cfg: ChaosConfig, rng: random.Random, client: Client, key: str,
