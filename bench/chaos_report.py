@@ -58,7 +58,7 @@ class ChaosConfig:
     # kernels' plans; a deployment that serves is warm). Checked like the others.
     warmup_s: float = 20.0
     # ... and on past it, WARMUP_ROUND_S at a time, until a round's answers are settled
-    # (p90 at most `warm_p90_s`), for at most `warmup_max_s` in all: a fresh cluster of
+    # (p90 at most `warm_p90_s`), no round begun past `warmup_max_s`: a fresh cluster of
     # three brokers on two cores commits transactions 5-10x slower in its first minute
     # (measured with exactly-once: commits 1-2.4 s, then 0.15-0.35 s) — its JVMs still
     # compiling, not the calm a deployment serves in. The warm-up's length is reported.

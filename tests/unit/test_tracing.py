@@ -452,9 +452,10 @@ def _built_by_upb(spans: list[Finished], resource: dict, scope: str):
 
 def test_spans_written_as_bytes_are_what_the_protobuf_api_builds():
     """Spans are written in OTLP's wire format by hand: every field, attribute type and
-    length edge (1- and 2-byte lengths, empty values, negative and 64-bit ints, an
-    unhashable value) gives the bytes protobuf's own API serializes, encoded twice (the
-    second time from the encoder's caches)."""
+    length edge (1- and 2-byte lengths, empty values and keys, negative and 64-bit ints,
+    0.0 then -0.0, an unhashable value) gives the bytes protobuf's own API serializes,
+    encoded twice (the second time from the encoder's caches); an int past int64's
+    range is refused, as upb refuses it."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
     )
@@ -464,7 +465,8 @@ def test_spans_written_as_bytes_are_what_the_protobuf_api_builds():
                   "t": True, "f": False, "zero": 0, "one": 1, "edge": 127, "wide": 128,
                   "neg": -1, "min": -(2**63), "max": 2**63 - 1, "float": 0.25,
                   "nan_free": -1e300, "other": ErrorCode.INVALID_REQUEST, "list": [1, 2],
-                  long: 3}
+                  long: 3, "": "no key", "zero_float": 0.0}
+    negative_zero = {"zero_float": -0.0}  # equal to 0.0, other bytes
     spans = [
         Finished(b"t" * 16, b"s" * 8, b"", "", "sluice.request", 5, 10**18, 10**18 + 5,
                  attributes, (), (), None),
@@ -474,10 +476,15 @@ def test_spans_written_as_bytes_are_what_the_protobuf_api_builds():
                  [("e", 1, attributes)], [(1.5, 0.01, 3, 64), (2.5, 0.002, 1, 64)],
                  "error: " + long),
         Finished(b"", b"", b"", "", "", 0, 0, 9, None, (), (), "x"),
+        Finished(b"v" * 16, b"e" * 8, b"", "", "after", 1, 1, 2, negative_zero, (), (),
+                 None),
     ]
-    for resource in ({"service.name": "sluice-worker", "n": 3}, {}):
-        want = _built_by_upb(spans, resource, "sluice")
+    for resource, scope in (({"service.name": "sluice-worker", "n": 3}, "sluice"), ({}, "")):
+        want = _built_by_upb(spans, resource, scope)
         for _ in range(2):
-            wire = encode(spans, resource, "sluice")
+            wire = encode(spans, resource, scope)
             assert ExportTraceServiceRequest.FromString(wire) == want
             assert wire == want.SerializeToString()
+    for number in (2**63, -(2**63) - 1, 2**64):  # as upb: refused (the batch is dropped)
+        with pytest.raises(ValueError, match="int64"):
+            encode([spans[0]._replace(attributes={"n": number})], {}, "sluice")
