@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -160,48 +160,27 @@ def _string(tag: int, value: str) -> bytes:
     return found
 
 
-def _int_attribute(key: str) -> Callable[[int], bytes]:
-    """A KeyValue of `key` and an int, as the bytes of an Event's `attributes` field."""
-    head = b"\x0a" + _varint(len(key)) + key.encode()
-    cache = {}
-
-    def attribute(value: int) -> bytes:
-        found = cache.get(value)
-        if found is None:
-            number = _varint(value if value >= 0 else value + (1 << 64))  # int64: two's complement
-            any_value = b"\x18" + number  # AnyValue.int_value (3)
-            kv = head + b"\x12" + _varint(len(any_value)) + any_value  # KeyValue.value (2)
-            found = b"\x1a" + _varint(len(kv)) + kv  # Event.attributes (3)
-            if len(cache) < 4096:
-                cache[value] = found
-        return found
-
-    return attribute
-
-
-_STEP_REQUESTS = _int_attribute("sluice.step.requests")
-_STEP_TOKENS = _int_attribute("sluice.step.tokens")
-_STEP_MS_KEY = b"\x0a\x0esluice.step.ms"
-# Event.attributes (3) of a KeyValue (key, then AnyValue.double_value (4) as fixed64).
-_STEP_MS = struct.Struct("<B" + "B" + f"{len(_STEP_MS_KEY)}s" + "BBB" + "d")
-# Span.events (11) and the event's length (under 128 bytes: one byte), then its
-# time_unix_nano (1), a fixed64.
-_STEP_HEAD = struct.Struct("<BBBQ")
-_STEP_NAME = b"\x12\x04step"  # Event.name (2)
 _STEPS: dict[tuple[float, float, int, int], bytes] = {}
 
 
+def _event(name: str, at: int, attributes: Mapping[str, Any] | None) -> bytes:
+    """An Event (time 1, name 2, attributes 3) as a span's `events` field (11)."""
+    event = ((b"\x09" + _FIXED64.pack(at) if at else b"")
+             + (_string(0x12, name) if name else b""))
+    if attributes:
+        event += _attributes(0x1A, attributes)
+    return _field(0x5A, event)
+
+
 def _step_event(step: tuple[float, float, int, int]) -> bytes:
-    """A `step` event as a span's `events` field: sluice.step.requests, sluice.step.ms
-    and, for a prompt chunk, sluice.step.tokens."""
+    """A `step` event: sluice.step.requests, sluice.step.ms and, for a prompt chunk,
+    sluice.step.tokens."""
     started, seconds, num_tokens, num_seqs = step
-    body = [_STEP_NAME, _STEP_REQUESTS(num_seqs),
-            _STEP_MS.pack(0x1A, len(_STEP_MS_KEY) + 11, _STEP_MS_KEY, 0x12, 9, 0x21,
-                          round(seconds * 1000, 3))]
+    attributes: dict[str, Any] = {"sluice.step.requests": num_seqs,
+                                  "sluice.step.ms": round(seconds * 1000, 3)}
     if num_tokens != 1:  # a prompt chunk; a decode step computes one token
-        body.append(_STEP_TOKENS(num_tokens))
-    rest = b"".join(body)
-    return _STEP_HEAD.pack(0x5A, 9 + len(rest), 0x09, int(started * 1e9)) + rest
+        attributes["sluice.step.tokens"] = num_tokens
+    return _event("step", int(started * 1e9), attributes)
 
 
 def _step_events(steps: Sequence[tuple[float, float, int, int]]) -> bytes:
@@ -238,11 +217,7 @@ def _span(s: Finished) -> bytes:
     if s.attributes:
         parts.append(_attributes(0x4A, s.attributes))  # attributes (9)
     for name, at, event_attributes in s.events:  # events (11)
-        event = ((b"\x09" + _FIXED64.pack(at) if at else b"")
-                 + (_string(0x12, name) if name else b""))
-        if event_attributes:
-            event += _attributes(0x1A, event_attributes)
-        parts.append(_field(0x5A, event))
+        parts.append(_event(name, at, event_attributes))
     if s.steps:
         parts.append(_step_events(s.steps))
     if s.error is not None:  # status (15): message (2), code (3) ERROR
