@@ -166,18 +166,19 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
     if warmup:
         say(f"  warming up: {warmup} requests over {cfg.warmup_s:g} s, not timed")
         began = time.monotonic()
-        await _send_load(cfg, rng, client, key, report, warmup, "w", say=lambda _line: None)
-        tag, round_ = "w", 1
-        while (not _settled(report, f"chaos-{cfg.seed}-{tag}", cfg.warm_p90_s)
+        last = await _send_load(cfg, rng, client, key, report, warmup, "w",
+                                say=lambda _line: None)
+        round_ = 1
+        while (not _settled(last, cfg.warm_p90_s)
                and time.monotonic() - began + WARMUP_ROUND_S <= cfg.warmup_max_s):
             round_ += 1
             tag = f"w{round_}-"
             say(f"  warming up {WARMUP_ROUND_S:g} s more (answers not settled yet)")
             # A random stream of its own: the measured load is the seed's whatever the
             # warm-up took.
-            await _send_load(cfg, random.Random(f"{cfg.seed}-{tag}"), client, key, report,
-                             round(WARMUP_ROUND_S * cfg.rate_per_s), tag,
-                             say=lambda _line: None)
+            last = await _send_load(cfg, random.Random(f"{cfg.seed}-{tag}"), client, key,
+                                    report, round(WARMUP_ROUND_S * cfg.rate_per_s), tag,
+                                    say=lambda _line: None)
         report.warmup_s = time.monotonic() - began
     probe = CapacityProbe(cluster.settings, cfg.workers)
     try:
@@ -200,16 +201,12 @@ async def _load_with_faults(cluster: Cluster, client: Client, key: str, report: 
         (report.fault_latency_s if during else report.calm_latency_s).append(sent.latency_s)
 
 
-def _settled(report: ChaosReport, prefix: str, p90_s: float) -> bool:
-    """Whether the warm-up round whose ids begin with `prefix` was answered within
-    `p90_s`, nine in ten of its requests — `done` answers as the calm figures count
-    them; one never answered (a timeout, a send refused) counts as slow; an error
-    answer (a cancel's) not at all."""
+def _settled(round_: list[Sent], p90_s: float) -> bool:
+    """Whether a warm-up round was answered within `p90_s`, nine in ten of its
+    requests — `done` answers as the calm figures count them; one never answered (a
+    timeout, a send refused) counts as slow; an error answer (a cancel's) not at all."""
     latencies = []
-    for sent in report.sent.values():
-        if not (sent.request_id.startswith(prefix)
-                and sent.request_id[len(prefix):].isdigit()):
-            continue
+    for sent in round_:
         if sent.outcome == "done" and sent.latency_s is not None:
             latencies.append(sent.latency_s)
         elif sent.outcome != "error":
@@ -219,10 +216,12 @@ def _settled(report: ChaosReport, prefix: str, p90_s: float) -> bool:
 
 async def _send_load(cfg: ChaosConfig, rng: random.Random, client: Client, key: str,
                      report: ChaosReport, count: int, tag: str, say: Say,
-                     t0: float | None = None, faults: asyncio.Task[None] | None = None) -> None:
+                     t0: float | None = None,
+                     faults: asyncio.Task[None] | None = None) -> list[Sent]:
     """`count` requests at the run's rate (ids `chaos-<seed>-<tag><i>`; a tag marks
-    warm-up requests), then until each ended (and `faults` with them)."""
+    warm-up requests), then until each ended (and `faults` with them): their `Sent`."""
     t0 = time.monotonic() if t0 is None else t0
+    sents: list[Sent] = []
     tasks: list[asyncio.Task[None]] = []
     cancels: list[asyncio.Task[None]] = []
     for i in range(count):
@@ -233,6 +232,7 @@ async def _send_load(cfg: ChaosConfig, rng: random.Random, client: Client, key: 
                     streamed=rng.random() < cfg.stream_share,
                     cancelled=rng.random() < cfg.cancel_share, warmup=bool(tag))
         report.sent[sent.request_id] = sent
+        sents.append(sent)
         session = f"session-{rng.randrange(cfg.sessions)}"
         tasks.append(asyncio.create_task(_one(
             client, key, sent, session,
@@ -246,6 +246,7 @@ async def _send_load(cfg: ChaosConfig, rng: random.Random, client: Client, key: 
     if faults is not None:
         await faults
     await asyncio.gather(*tasks, *cancels)
+    return sents
 
 
 async def _cancel_later(client: Client, key: str, request_id: str, session: str,
